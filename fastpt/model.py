@@ -1,0 +1,163 @@
+"""Llama-style decoder: RMSNorm, RoPE, causal SDPA attention (optional GQA), SwiGLU, tied head."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from fastpt.config import ModelConfig
+
+if not getattr(kernels, "__fastpt_kernels__", False):
+    raise ImportError(
+        f"'import kernels' resolved to {getattr(kernels, '__file__', kernels)!r}, not fastpt's kernels "
+        "package; uninstall the other 'kernels' distribution or put fastpt first on sys.path"
+    )
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, backend: str):
+        super().__init__()
+        self.eps = eps
+        self.backend = backend
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (T, hd/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0, x1) of the last dim; x (B, T, H, hd), cos/sin (T, hd/2)."""
+    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, hd/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)  # (B, T, Hkv, hd)
+        v = self.wv(x).view(B, T, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        past = 0
+        if cache is not None:
+            past = cache[0].shape[2]
+            k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+        # With a cache only one new token is decoded at a time, so it may see every key.
+        if past and T > 1:
+            raise ValueError("a KV cache decodes one token at a time after the prompt")
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=past == 0, enable_gqa=self.kv_heads != self.n_heads
+        )  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
+        return self.wo(y), (k, v)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, cache=None):
+        a, new_cache = self.attention(self.attention_norm(x), cos, sin, cache)
+        x = x + a
+        x = x + self.feed_forward(self.ffn_norm(x))
+        return x, new_cache
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {cfg.vocab_size}")
+        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.kv_heads:
+            raise ValueError(f"dim {cfg.dim}, n_heads {cfg.n_heads}, n_kv_heads {cfg.kv_heads} do not divide")
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.ones_(p)
+            else:
+                is_residual = name.endswith(("wo.weight", "w2.weight"))
+                nn.init.normal_(p, mean=0.0, std=residual_std if is_residual else 0.02)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The LM head, tied to the token embedding."""
+        return self.tok_embeddings.weight
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None):
+        """idx (B, T) -> (logits (B, T, V) or None, loss or None, kv_cache or None)."""
+        B, T = idx.shape
+        past = kv_cache[0][0].shape[2] if kv_cache else 0
+        if past + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {past + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd/2)
+        h = self.tok_embeddings(idx)  # (B, T, C)
+        new_cache: KVCache = []
+        for i, layer in enumerate(self.layers):
+            h, layer_cache = layer(h, cos, sin, kv_cache[i] if kv_cache else None)
+            new_cache.append(layer_cache)
+        h = self.norm(h)  # (B, T, C)
+        if labels is not None:
+            # The fused kernel never materializes the (B*T, V) logits.
+            loss = kernels.linear_cross_entropy(
+                h.flatten(0, 1), self.output_weight, labels.flatten(), backend=self.cfg.kernels
+            )
+            return None, loss, None
+        logits = F.linear(h, self.output_weight)  # (B, T, V)
+        return logits, None, new_cache if kv_cache is not None else None
+
+    def num_params(self) -> int:
+        """Parameters, the tied embedding/head counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N for the matmuls plus 12*L*d*T for attention scores."""
+        return 6 * self.num_params() + 12 * self.cfg.n_layers * self.cfg.dim * seq_len
