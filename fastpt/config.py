@@ -171,6 +171,9 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainC
     merged.update(file_values)
     merged.update({k: coerce(k, v, "command line") for k, v in cli.items()})
     merged["device"] = device
+    cfg = TrainConfig(**merged)
+    if "warmup_steps" not in file_values and "warmup_steps" not in cli and cfg.warmup_steps > cfg.max_steps:
+        merged["warmup_steps"] = cfg.max_steps // 10  # a default warmup adapts to a short run
     return validate(TrainConfig(**merged))
 
 

@@ -1,0 +1,80 @@
+"""Atomic checkpoints: temp file + fsync + rename, then a `latest` pointer; keep the last K."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+NAME = re.compile(r"^ckpt_(\d{8})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the file."""
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write) -> None:
+    """Call write(file) on a temp name, fsync, rename over path: readers see old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints (renamed into place), oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if NAME.match(p.name))
+
+
+def save(run_dir: str | Path, step: int, state: dict, keep: int = 3) -> Path:
+    """Write ckpt_{step}.pt atomically, point `latest` at it, delete all but the newest `keep`."""
+    run_dir = Path(run_dir)
+    path = run_dir / f"ckpt_{step:08d}.pt"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: torch.save(state, f))
+        write_atomic(run_dir / "latest", lambda f: f.write(path.name.encode()))
+    except OSError as e:
+        raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}; "
+                              "the previous checkpoint is intact") from None
+    for old in checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def latest(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint: the `latest` pointer, else the highest step on disk."""
+    run_dir = Path(run_dir)
+    pointer = run_dir / "latest"
+    if pointer.is_file():
+        target = run_dir / pointer.read_text().strip()
+        if NAME.match(target.name) and target.is_file():
+            return target
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"could not read checkpoint {path}: {e}") from None

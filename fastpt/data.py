@@ -1,0 +1,254 @@
+"""Token shards (llm.c / modded-nanogpt format) and a deterministic, resumable loader."""
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+# magic -> (version, token dtype), as written by llm.c and modded-nanogpt
+FORMATS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}
+
+
+class DataError(ValueError):
+    """A problem with the user's data; the message names the file."""
+
+
+def write_shard(path: str | Path, tokens, vocab_size: int = 0) -> Path:
+    """Write tokens as an llm.c shard: uint16 when every id fits, else uint32."""
+    tokens = np.asarray(tokens)
+    wide = tokens.size and int(tokens.max()) >= 2**16
+    magic = 20240801 if wide else 20240520
+    version, dtype = FORMATS[magic]
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:4] = (magic, version, tokens.size, vocab_size)
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
+    return path
+
+
+def read_header(path: Path) -> tuple[np.dtype, int, int]:
+    """Check an llm.c header against the file; returns (token dtype, token count, vocab size)."""
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: {size} bytes is too short for a {HEADER_BYTES}-byte shard header")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, count, vocab = (int(v) for v in header[:4])
+    if magic not in FORMATS:
+        raise DataError(f"{path}: bad magic {magic} (expected 20240520 or 20240801; "
+                        "a headerless nanoGPT .bin needs data_format = 'nanogpt')")
+    want_version, dtype = FORMATS[magic]
+    if version != want_version:
+        raise DataError(f"{path}: version {version} does not match magic {magic} (expected {want_version})")
+    itemsize = np.dtype(dtype).itemsize
+    if size != HEADER_BYTES + count * itemsize:
+        raise DataError(f"{path}: header says {count} tokens ({HEADER_BYTES + count * itemsize} bytes) "
+                        f"but the file has {size} bytes (truncated or corrupt)")
+    return np.dtype(dtype).newbyteorder("<"), count, vocab
+
+
+def read_shard(path: str | Path, headerless: bool = False) -> np.memmap:
+    """Memory-map a shard's tokens (never loaded whole); headerless = nanoGPT uint16 .bin."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such shard file")
+    if headerless:
+        if path.stat().st_size % 2:
+            raise DataError(f"{path}: odd byte count, not a headerless uint16 token file")
+        return np.memmap(path, dtype="<u2", mode="r")
+    dtype, count, _ = read_header(path)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+def shard_vocab(path: str | Path) -> int:
+    """The vocab size recorded in a shard's header (0 = unknown)."""
+    return read_header(Path(path))[2]
+
+
+def find_shards(folder: str | Path, split: str, data_format: str = "llmc") -> list[Path]:
+    """train_*.bin / val_*.bin (llm.c and ours), or nanoGPT's train.bin / val.bin."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataError(f"data folder {folder} does not exist")
+    pattern = f"{split}.bin" if data_format == "nanogpt" else f"*{split}_*.bin"
+    shards = sorted(folder.glob(pattern))
+    if not shards:
+        raise DataError(f"data folder {folder} has no {pattern} files")
+    return shards
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor  # (B, T) inputs
+    y: torch.Tensor  # (B, T) targets, x shifted by one
+
+
+class Windows:
+    """Non-overlapping windows of seq_len + 1 tokens over a list of memory-mapped shards."""
+
+    def __init__(self, shards: list[Path], seq_len: int, headerless: bool = False):
+        self.seq_len = seq_len
+        self.tokens = [read_shard(p, headerless) for p in shards]
+        per_shard = np.array([len(t) // (seq_len + 1) for t in self.tokens], dtype=np.int64)
+        if per_shard.sum() == 0:
+            longest = max(len(t) for t in self.tokens)
+            raise DataError(f"seq_len {seq_len} is longer than the data: the longest shard "
+                            f"({shards[int(np.argmax([len(t) for t in self.tokens]))]}) has {longest} tokens")
+        self.starts = np.concatenate(([0], np.cumsum(per_shard)))  # window index where each shard begins
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def gather(self, indices: np.ndarray) -> torch.Tensor:
+        """Windows by global index -> (len(indices), seq_len + 1) int64."""
+        span = self.seq_len + 1
+        shard_ids = np.searchsorted(self.starts, indices, side="right") - 1
+        rows = [self.tokens[s][(i - self.starts[s]) * span:(i - self.starts[s] + 1) * span]
+                for s, i in zip(shard_ids, indices)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+class TrainLoader:
+    """Seeded per-epoch permutation of windows, striped over micro-steps and ranks.
+
+    Optimizer step s consumes global windows [s*G, (s+1)*G) of the permuted stream,
+    G = micro_batch * grad_accum * world_size, so any split of G sees the same data.
+    The only state is the position in that stream (plus the seed).
+    """
+
+    def __init__(self, windows: Windows, micro_batch: int, seed: int,
+                 device: torch.device, rank: int = 0, world_size: int = 1, prefetch: int = 2):
+        self.windows, self.micro_batch, self.seed = windows, micro_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.device = device
+        self.prefetch = prefetch
+        self.position = 0  # micro-steps handed out so far (each covers world_size micro-batches)
+        self.wait_s = 0.0  # time spent blocked on the prefetch queue, for data-wait %
+        self._perms: dict[int, np.ndarray] = {}
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+
+    def _indices(self, micro_step: int) -> np.ndarray:
+        n = len(self.windows)
+        first = (micro_step * self.world_size + self.rank) * self.micro_batch
+        positions = np.arange(first, first + self.micro_batch)
+        epochs = positions // n
+        out = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self._perm(int(epoch))[positions[mask] % n]
+        return out
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))}
+        return self._perms[epoch]
+
+    def _produce(self, start: int, q: queue.Queue, stop: threading.Event) -> None:
+        pin = self.device.type == "cuda"
+        step = start
+        while not stop.is_set():
+            w = self.windows.gather(self._indices(step))  # (B, T+1)
+            q.put(w.pin_memory() if pin else w)
+            step += 1
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        threading.Thread(target=self._produce, args=(self.position, self._queue, self._stop),
+                         daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._queue is not None:  # unblock a producer waiting on a full queue
+            while not self._queue.empty():
+                self._queue.get_nowait()
+        self._queue = None
+
+    def next(self) -> Batch:
+        if self._queue is None:
+            self._start()
+        t0 = time.perf_counter()
+        w = self._queue.get()
+        self.wait_s += time.perf_counter() - t0
+        self.position += 1
+        w = w.to(self.device, non_blocking=True)
+        return Batch(w[:, :-1], w[:, 1:])
+
+    @property
+    def epoch(self) -> int:
+        return self.position * self.world_size * self.micro_batch // len(self.windows)
+
+    def state_dict(self) -> dict:
+        """Position counted in windows of the global stream, so it survives a change of split."""
+        return {"windows_consumed": self.position * self.world_size * self.micro_batch,
+                "seed": self.seed, "num_windows": len(self.windows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_windows"] != len(self.windows):
+            raise DataError(f"checkpoint's loader saw {state['num_windows']} windows, the data now has "
+                            f"{len(self.windows)}: resume with the same data and seq_len")
+        per_micro = self.world_size * self.micro_batch
+        if state["windows_consumed"] % per_micro:
+            raise DataError(f"checkpoint position {state['windows_consumed']} windows is not a multiple of "
+                            f"micro_batch x world_size = {per_micro}")
+        self.close()
+        self.seed = state["seed"]
+        self.position = state["windows_consumed"] // per_micro
+
+
+def eval_batches(windows: Windows, micro_batch: int, eval_tokens: int, device: torch.device,
+                 rank: int = 0, world_size: int = 1):
+    """The first eval_tokens of the validation windows, in order: the same every evaluation."""
+    n = min(len(windows), max(1, eval_tokens // windows.seq_len))
+    mine = np.arange(rank, n, world_size)
+    for i in range(0, len(mine), micro_batch):
+        w = windows.gather(mine[i:i + micro_batch]).to(device)
+        yield Batch(w[:, :-1], w[:, 1:])
+
+
+def data_vocab(folder: Path, shards: list[Path], headerless: bool) -> int:
+    """Vocab size from meta.json, else the shard headers, else the largest token id + 1."""
+    meta = Path(folder) / "meta.json"
+    if meta.is_file():
+        return int(json.loads(meta.read_text())["vocab_size"])
+    if not headerless:
+        recorded = max(shard_vocab(p) for p in shards)
+        if recorded:
+            return recorded
+    return max(max_token_id(p, headerless) for p in shards) + 1
+
+
+def max_token_id(path: Path, headerless: bool) -> int:
+    """Largest id in a shard, scanned in chunks; cached beside the shard by size and mtime."""
+    cache = path.with_name(f".{path.name}.maxid")
+    stat = path.stat()
+    key = f"{stat.st_size}:{stat.st_mtime_ns}"
+    if cache.is_file():
+        saved_key, _, value = cache.read_text().partition(" ")
+        if saved_key == key:
+            return int(value)
+    tokens = read_shard(path, headerless)
+    chunk = 1 << 24
+    largest = max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
+    with contextlib.suppress(OSError):  # a read-only data folder just isn't cached
+        cache.write_text(f"{key} {largest}")
+    return largest
+
+
+def check_token_ids(shards: list[Path], vocab_size: int, headerless: bool) -> None:
+    """Fail before training, naming the file and id, instead of a device-side assert in CUDA."""
+    for p in shards:
+        largest = max_token_id(p, headerless)
+        if largest >= vocab_size:
+            raise DataError(f"{p}: token id {largest} is out of range for vocab size {vocab_size}")

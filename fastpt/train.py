@@ -1,0 +1,320 @@
+"""Pretrain a Llama-style model: python -m fastpt.train [--compile] [--preset 0.04b|tiny] ...
+
+The whole loop is in `train()`, top to bottom: grouped AdamW, warmup + cosine LR, gradient
+accumulation with loss / grad_accum, global-norm clipping, bf16 autocast (fp16 with a
+GradScaler), the dashboard line every log_every steps, evals and atomic checkpoints.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fastpt import checkpoint, distributed
+from fastpt.checkpoint import CheckpointError
+from fastpt.config import CPU_PROFILE, ConfigError, TrainConfig, model_config, resolve, to_toml
+from fastpt.data import (DataError, TrainLoader, Windows, check_token_ids, data_vocab, eval_batches,
+                         find_shards)
+from fastpt.metrics import MetricsLogger, device_name, peak_flops, peak_mem_gib
+from fastpt.model import Transformer
+from fastpt.optim import build_optimizer, lr_at
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Testing hook: poison the loss at this step to exercise the non-finite guard.
+FAULT_NAN_STEP = int(os.environ.get("FASTPT_FAULT_NAN_AT_STEP", "-1"))
+
+
+class Preemption:
+    """SIGTERM / SIGINT ask the loop to checkpoint after the current step and exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+
+def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
+    """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
+    ap = argparse.ArgumentParser(prog="python -m fastpt.train", description=__doc__.splitlines()[0],
+                                 epilog="On a CPU the defaults become a short tiny-preset run: "
+                                        + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
+    ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"(default: {f.default!r})"
+        if isinstance(f.default, bool):
+            ap.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
+        else:
+            ap.add_argument(flag, type=type(f.default), default=argparse.SUPPRESS, help=help_text,
+                            metavar=f.name.upper())
+    args = vars(ap.parse_args(argv))
+    return args, args.pop("config", None)
+
+
+def pick_device(cli: dict) -> str:
+    wanted = cli.get("device", "")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("'device' = 'cuda' but torch sees no CUDA device")
+    return wanted or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_dtype(dtype: str, device: torch.device) -> None:
+    if dtype == "fp16" and device.type != "cuda":
+        raise ConfigError(f"'dtype' = 'fp16' needs a CUDA device (got {device.type}); use bf16 or fp32")
+    if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"'dtype' = 'bf16' is not supported on {device_name(device)}; use fp16 or fp32")
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def fmt_duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+@torch.no_grad()
+def evaluate(model, windows: Windows, cfg: TrainConfig, device, autocast, d) -> float:
+    model.eval()
+    total = torch.zeros((), device=device)
+    count = 0
+    for batch in eval_batches(windows, cfg.micro_batch, cfg.eval_tokens, device, d.rank, d.world_size):
+        with autocast:
+            _, loss, _ = model(batch.x, labels=batch.y)
+        total += loss.float() * batch.x.numel()
+        count += batch.x.numel()
+    model.train()
+    stats = distributed.all_reduce_mean(torch.stack([total, torch.tensor(float(count), device=device)]), d)
+    return (stats[0] / stats[1]).item()
+
+
+def train(cfg: TrainConfig, d: distributed.Dist) -> int:
+    """Run the training loop; returns the process exit code."""
+    device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
+    check_dtype(cfg.dtype, device)
+    run_dir = Path(cfg.out)
+    log = print if d.is_main else (lambda *a, **k: None)
+
+    # ---- data: memory-mapped shards, token ids checked against the vocab once
+    data_dir = Path(cfg.data) if cfg.data else None
+    if data_dir is None:
+        from fastpt.prepare import default_corpus
+        vocab_hint = model_config(cfg, 0).vocab_size or 4096
+        if d.is_main:
+            data_dir = default_corpus(vocab_hint)
+        distributed.barrier(d)
+        data_dir = default_corpus(vocab_hint)
+    headerless = cfg.data_format == "nanogpt"
+    train_shards = find_shards(data_dir, "train", cfg.data_format)
+    val_shards = find_shards(data_dir, "val", cfg.data_format)
+    vocab = data_vocab(data_dir, train_shards + val_shards, headerless)
+    mcfg = model_config(cfg, vocab)
+    check_token_ids(train_shards + val_shards, mcfg.vocab_size, headerless)
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    train_windows = Windows(train_shards, seq_len, headerless)
+    val_windows = Windows(val_shards, seq_len, headerless)
+    loader = TrainLoader(train_windows, cfg.micro_batch, cfg.seed, device, d.rank, d.world_size)
+
+    # ---- model, optimizer, precision
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    raw_model = Transformer(mcfg).to(device)
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    model = distributed.wrap(model, d, device)
+    optimizer = build_optimizer(raw_model, cfg.weight_decay, cfg.decay_rule, cfg.lr,
+                                (cfg.beta1, cfg.beta2), cfg.eps)
+    autocast = torch.autocast(device.type, dtype=DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
+
+    # ---- resume: model, optimizer, scaler, RNG, loader position, loop state
+    step, tokens_seen, best_val = 0, 0, float("inf")
+    if cfg.resume and (path := checkpoint.latest(run_dir)):
+        ckpt = checkpoint.load(path, device)
+        if ckpt["model_config"] != dataclasses.asdict(mcfg):
+            raise ConfigError(f"{path} was written for model {ckpt['model_config']}, this run builds {dataclasses.asdict(mcfg)}")
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        loader.load_state_dict(ckpt["loader"])
+        set_rng_state(ckpt["rng"])
+        step, tokens_seen, best_val = ckpt["step"], ckpt["tokens_seen"], ckpt["best_val_loss"]
+        log(f"resumed from {path} at step {step}")
+    elif cfg.resume:
+        log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
+
+    def save_checkpoint() -> bool:
+        if not d.is_main:
+            return True
+        state = {
+            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(), "loader": loader.state_dict(), "rng": rng_state(),
+            "step": step, "tokens_seen": tokens_seen, "best_val_loss": best_val,
+            "model_config": dataclasses.asdict(mcfg), "train_config": dataclasses.asdict(cfg),
+        }
+        try:
+            log(f"saved {checkpoint.save(run_dir, step, state, cfg.keep_checkpoints)}")
+            return True
+        except CheckpointError as e:
+            print(f"fastpt: warning: {e}", file=sys.stderr)
+            return False
+
+    tokens_per_step = cfg.micro_batch * seq_len * cfg.grad_accum * d.world_size
+    flops_per_step = raw_model.flops_per_token(seq_len) * tokens_per_step
+    peak = peak_flops(device_name(device)) if device.type == "cuda" else None
+    if d.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    metrics = MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb) if d.is_main else None
+    log(f"device {device_name(device)} x {d.world_size} | preset {cfg.preset} | params {raw_model.num_params():,} "
+        f"| dtype {cfg.dtype} | compile {cfg.compile} | kernels {cfg.kernels}")
+    log(f"data {data_dir}: {len(train_shards)} train shards, {len(train_windows):,} windows of {seq_len + 1} tokens "
+        f"| {tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
+        f"{d.world_size} ranks) | {cfg.max_steps:,} steps = {tokens_per_step * cfg.max_steps:,} tokens")
+
+    # ---- the loop
+    preemption = Preemption()
+    model.train()
+    first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
+    skips = consecutive_skips = 0
+    running_loss = torch.zeros((), device=device)
+    window_steps, window_tokens = 0, 0
+    loader.wait_s = 0.0
+    window_start = run_start = time.perf_counter()
+    start_step = step
+    exit_code = 0
+    while step < cfg.max_steps:
+        lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        accum_loss = torch.zeros((), device=device)  # stays on device: no host sync per micro-step
+        for micro_step in range(cfg.grad_accum):
+            batch = loader.next()
+            distributed.set_grad_sync(model, micro_step == cfg.grad_accum - 1)
+            with autocast:
+                _, loss, _ = model(batch.x, labels=batch.y)
+            if step == FAULT_NAN_STEP:
+                loss = loss * float("nan")
+            loss = loss / cfg.grad_accum  # so accumulated grads average like one big batch
+            scaler.scale(loss).backward()
+            accum_loss += loss.detach()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
+        finite = torch.isfinite(accum_loss) & (torch.isfinite(grad_norm) | (cfg.dtype == "fp16"))
+        if cfg.on_nonfinite == "skip" and not finite.item():
+            skips, consecutive_skips = skips + 1, consecutive_skips + 1
+            log(f"step {step}: non-finite loss or gradient, update skipped ({consecutive_skips} in a row)")
+            scaler.update()
+            if consecutive_skips >= cfg.max_skips:
+                log(f"fastpt: stopping: {consecutive_skips} consecutive non-finite steps (max_skips)")
+                exit_code = 1
+                break
+            step += 1
+            continue
+        consecutive_skips = 0
+        first_bad_step = torch.where(~finite & (first_bad_step < 0), step, first_bad_step)
+        scaler.step(optimizer)
+        scaler.update()
+        step += 1
+        tokens_seen += tokens_per_step
+        running_loss += accum_loss
+        window_steps += 1
+        window_tokens += tokens_per_step
+
+        is_last = step == cfg.max_steps
+        if step % cfg.log_every == 0 or is_last:
+            if (bad := int(first_bad_step)) >= 0:
+                log(f"fastpt: error: non-finite loss or gradient norm at step {bad} (stopping; "
+                    f"--on-nonfinite skip skips such updates); last checkpoint is kept")
+                exit_code = 1
+                break
+            avg_loss = distributed.all_reduce_mean(running_loss / window_steps, d).item()
+            elapsed = time.perf_counter() - window_start
+            tok_s = window_tokens / elapsed
+            mem = peak_mem_gib(device)
+            eta = (cfg.max_steps - step) * (time.perf_counter() - run_start) / (step - start_step)
+            record = {
+                "step": step, "loss": avg_loss, "ppl": math.exp(min(avg_loss, 20.0)), "lr": lr,
+                "grad_norm": float(grad_norm), "tok_s": tok_s, "tok_s_per_gpu": tok_s / d.world_size,
+                "mfu": flops_per_step * window_steps / elapsed / d.world_size / peak if peak else None,
+                "peak_mem_gib": mem, "data_wait_pct": 100 * loader.wait_s / elapsed,
+                "tokens": tokens_seen, "skipped_steps": skips,
+            }
+            log(f"Step {step:5d}/{cfg.max_steps} | Loss: {avg_loss:.4f} | PPL: {record['ppl']:.2f} | "
+                f"LR: {lr:.2e} | Norm: {record['grad_norm']:.3f} | Mem: {mem:.2f} GiB | "
+                f"Speed: {tok_s:,.0f} tok/s | ETA {fmt_duration(eta)}", flush=True)
+            if metrics:
+                metrics.log(record)
+            running_loss.zero_()
+            window_steps = window_tokens = 0
+            loader.wait_s = 0.0
+            window_start = time.perf_counter()
+
+        if step % cfg.eval_every == 0 or is_last:
+            val_loss = evaluate(model, val_windows, cfg, device, autocast, d)
+            best_val = min(best_val, val_loss)
+            log(f"Step {step:5d}/{cfg.max_steps} | val loss {val_loss:.4f} | val PPL {math.exp(min(val_loss, 20)):.2f}")
+            if metrics:
+                metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 20.0))})
+
+        preempted = distributed.any_rank(preemption.requested, d) if (
+            not d.enabled or step % cfg.log_every == 0) else False
+        if step % cfg.ckpt_every == 0 or is_last or preempted:
+            if not save_checkpoint() and is_last:
+                exit_code = 1
+        if preempted:
+            log(f"preempted: stopped after step {step}; continue with --resume")
+            break
+    loader.close()
+    if metrics:
+        metrics.close()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli, config_file = parse_args(argv)
+    d = None
+    try:
+        device_type = pick_device(cli)
+        cfg = resolve(cli, config_file, device_type)
+        d = distributed.setup(cfg.device)
+        code = train(cfg, d)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"fastpt: error: {e}", file=sys.stderr)
+        code = 2
+    finally:
+        if d is not None:
+            distributed.teardown(d)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
