@@ -173,8 +173,8 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainC
     merged["device"] = device
     cfg = TrainConfig(**merged)
     if "warmup_steps" not in file_values and "warmup_steps" not in cli and cfg.warmup_steps > cfg.max_steps:
-        merged["warmup_steps"] = cfg.max_steps // 10  # a default warmup adapts to a short run
-    return validate(TrainConfig(**merged))
+        cfg.warmup_steps = cfg.max_steps // 10  # a default warmup adapts to a short run
+    return validate(cfg)
 
 
 def to_toml(cfg: TrainConfig) -> str:
