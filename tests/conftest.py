@@ -1,0 +1,50 @@
+"""Shared fixtures: a small real corpus prepared once per session, and a trainer runner."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fastpt.prepare import prepare
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """Byte-level shards over the project's own sources: real text, made locally, in seconds."""
+    files = sorted((REPO / "fastpt").glob("*.py")) + sorted((REPO / "kernels").rglob("*.py"))
+    out = tmp_path_factory.mktemp("data") / "tiny"
+    prepare(files, out, "bytes")
+    return out
+
+
+@pytest.fixture(scope="session")
+def bpe_data(tmp_path_factory) -> Path:
+    """A locally trained byte-level BPE (vocab 512) over a slice of the Python stdlib."""
+    import sysconfig
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"))[:40]
+    out = tmp_path_factory.mktemp("data") / "bpe"
+    prepare(files, out, "bpe", 512)
+    return out
+
+
+def run_train(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """python -m fastpt.train as a real subprocess (one thread: the machine has two cores)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "fastpt.train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=REPO)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Train records (those with a loss) from metrics.jsonl."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "loss" in r]
+
+
+TINY = ("--device", "cpu", "--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4")
