@@ -64,11 +64,12 @@ class Attention(nn.Module):
         if cache is not None:
             past = cache[0].shape[2]
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
-        # With a cache only one new token is decoded at a time, so it may see every key.
+        # With a cache only one new token is decoded at a time, so it may see every key. is_causal
+        # tests the cache, not `past`, to stay a plain bool when compiled with dynamic shapes.
         if past and T > 1:
             raise ValueError("a KV cache decodes one token at a time after the prompt")
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=past == 0, enable_gqa=self.kv_heads != self.n_heads
+            q, k, v, is_causal=cache is None, enable_gqa=self.kv_heads != self.n_heads
         )  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.wo(y), (k, v)
