@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
 
-NAME = re.compile(r"^ckpt_(\d{8})\.pt$")
+# ckpt_N.pt is one file; ckpt_N/ is a directory of FSDP shards (torch.distributed.checkpoint)
+# plus STATE_FILE with the rest of the state, written by fastpt.distributed.save_sharded.
+NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
+STATE_FILE = "state.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -56,9 +60,14 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3) -> Path:
     except OSError as e:
         raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}; "
                               "the previous checkpoint is intact") from None
-    for old in checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+    prune(run_dir, keep)
     return path
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints, files or shard directories."""
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -67,13 +76,18 @@ def latest(run_dir: str | Path) -> Path | None:
     pointer = run_dir / "latest"
     if pointer.is_file():
         target = run_dir / pointer.read_text().strip()
-        if NAME.match(target.name) and target.is_file():
+        if NAME.match(target.name) and target.exists():
             return target
     found = checkpoints(run_dir)
     return found[-1] if found else None
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+    """The whole state of a file; of a shard directory, all but the model and optimizer
+    (fastpt.distributed.load_state reads those)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / STATE_FILE
     try:
         return torch.load(path, map_location=map_location, weights_only=False)
     except (OSError, RuntimeError, EOFError) as e:

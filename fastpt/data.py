@@ -211,7 +211,9 @@ def eval_batches(windows: Windows, micro_batch: int, eval_tokens: int, device: t
                  rank: int = 0, world_size: int = 1):
     """The first eval_tokens of the validation windows, in order: the same every evaluation."""
     n = min(len(windows), max(1, eval_tokens // windows.seq_len))
-    mine = np.arange(rank, n, world_size)
+    # Equal shares, as FSDP ranks must run the same forwards: drop the remainder, or repeat a short set.
+    n = max(n - n % world_size, world_size)
+    mine = np.arange(rank, n, world_size) % len(windows)
     for i in range(0, len(mine), micro_batch):
         w = windows.gather(mine[i:i + micro_batch]).to(device)
         yield Batch(w[:, :-1], w[:, 1:])

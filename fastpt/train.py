@@ -147,8 +147,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     raw_model = Transformer(mcfg).to(device)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    model = distributed.wrap(model, d, device)
+    model = distributed.parallelize(raw_model, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile)
     optimizer = build_optimizer(raw_model, cfg.weight_decay, cfg.decay_rule, cfg.lr,
                                 (cfg.beta1, cfg.beta2), cfg.eps)
     autocast = torch.autocast(device.type, dtype=DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
@@ -160,8 +159,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         ckpt = checkpoint.load(path, device)
         if ckpt["model_config"] != dataclasses.asdict(mcfg):
             raise ConfigError(f"{path} was written for model {ckpt['model_config']}, this run builds {dataclasses.asdict(mcfg)}")
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        distributed.load_state(path, ckpt, raw_model, optimizer)  # any layout, any world size
         scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"])
@@ -171,16 +169,16 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
 
     def save_checkpoint() -> bool:
-        if not d.is_main:
-            return True
+        model_state, optim_state = distributed.get_state(raw_model, optimizer)
         state = {
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            "model": model_state, "optimizer": optim_state,
             "scaler": scaler.state_dict(), "loader": loader.state_dict(), "rng": rng_state(),
             "step": step, "tokens_seen": tokens_seen, "best_val_loss": best_val,
             "model_config": dataclasses.asdict(mcfg), "train_config": dataclasses.asdict(cfg),
         }
         try:
-            log(f"saved {checkpoint.save(run_dir, step, state, cfg.keep_checkpoints)}")
+            if path := distributed.save_checkpoint(run_dir, step, state, cfg.keep_checkpoints, d):
+                log(f"saved {path}")
             return True
         except CheckpointError as e:
             print(f"fastpt: warning: {e}", file=sys.stderr)
@@ -226,8 +224,9 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             loss = loss / cfg.grad_accum  # so accumulated grads average like one big batch
             scaler.scale(loss).backward()
             accum_loss += loss.detach()
+        accum_loss = distributed.all_reduce_mean(accum_loss, d)  # every rank takes the same branch below
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
+        grad_norm = distributed.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
         finite = torch.isfinite(accum_loss) & (torch.isfinite(grad_norm) | (cfg.dtype == "fp16"))
         if cfg.on_nonfinite == "skip" and not finite.item():
             skips, consecutive_skips = skips + 1, consecutive_skips + 1
@@ -256,7 +255,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                     f"--on-nonfinite skip skips such updates); last checkpoint is kept")
                 exit_code = 1
                 break
-            avg_loss = distributed.all_reduce_mean(running_loss / window_steps, d).item()
+            avg_loss = (running_loss / window_steps).item()
             elapsed = time.perf_counter() - window_start
             tok_s = window_tokens / elapsed
             mem = peak_mem_gib(device)
