@@ -90,6 +90,43 @@ class TrainConfig:
     wandb: str = ""  # project name; "" = off
 
 
+# One line per TrainConfig field for `python -m fastpt.train --help` (tests check none is missing).
+HELP: dict[str, str] = {
+    "preset": "model size",
+    "data": "folder of train_*.bin / val_*.bin shards; '' = the default corpus, prepared once",
+    "data_format": "llmc: headered shards (fastpt, llm.c, modded-nanogpt); nanogpt: headerless uint16 .bin",
+    "out": "run folder: config, metrics.jsonl, checkpoints, tokenizer",
+    "resume": "continue from the newest complete checkpoint in --out",
+    "seq_len": "tokens per training sequence; 0 = the preset's max_seq_len",
+    "max_steps": "optimizer steps",
+    "micro_batch": "sequences per forward/backward",
+    "grad_accum": "micro-batches per optimizer step",
+    "lr": "peak learning rate",
+    "min_lr_ratio": "cosine floor as a fraction of the peak",
+    "warmup_steps": "linear warmup steps",
+    "weight_decay": "AdamW weight decay",
+    "decay_rule": "ndim: decay tensors with >= 2 dims; strict: also spare biases, norms, embeddings",
+    "beta1": "AdamW beta1",
+    "beta2": "AdamW beta2",
+    "eps": "AdamW epsilon",
+    "max_grad_norm": "clip the global gradient norm to this",
+    "dtype": "autocast precision (fp16 uses a GradScaler, CUDA only)",
+    "compile": "torch.compile the model",
+    "kernels": "auto: Triton on CUDA, PyTorch elsewhere",
+    "device": "'' = cuda if available, else cpu",
+    "parallel": "data parallelism under torchrun",
+    "log_every": "steps between dashboard lines / metrics records",
+    "eval_every": "steps between validation evals",
+    "eval_tokens": "validation tokens per eval",
+    "ckpt_every": "steps between checkpoints",
+    "keep_checkpoints": "newest checkpoints kept on disk",
+    "on_nonfinite": "on a NaN/inf loss or gradient: stop, or skip the update",
+    "max_skips": "stop after this many skipped updates in a row",
+    "seed": "seed for init and data order",
+    "tensorboard": "also write TensorBoard events to OUT/tensorboard",
+    "wandb": "Weights & Biases project to log to; '' = off",
+}
+
 # On a CPU the zero-config run must finish in minutes: these replace the defaults there
 # (a TOML file or flag still wins).
 CPU_PROFILE: dict[str, Any] = dict(

@@ -23,7 +23,7 @@ import torch
 
 from fastpt import checkpoint, distributed
 from fastpt.checkpoint import CheckpointError
-from fastpt.config import CPU_PROFILE, ConfigError, TrainConfig, model_config, resolve, to_toml
+from fastpt.config import CHOICES, CPU_PROFILE, HELP, ConfigError, TrainConfig, model_config, resolve, to_toml
 from fastpt.data import (DataError, TrainLoader, Windows, check_token_ids, data_vocab, eval_batches,
                          find_shards)
 from fastpt.metrics import MetricsLogger, device_name, peak_flops, peak_mem_gib
@@ -55,7 +55,8 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
     ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"(default: {f.default!r})"
+        one_of = f"; one of {', '.join(map(repr, CHOICES[f.name]))}" if f.name in CHOICES else ""
+        help_text = f"{HELP[f.name]}{one_of} (default: {f.default!r})"
         if isinstance(f.default, bool):
             ap.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
         else:
@@ -190,10 +191,14 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(to_toml(cfg))
+        if (data_dir / "tokenizer.json").is_file():  # the run folder alone is enough for fastpt.sample
+            (run_dir / "tokenizer.json").write_bytes((data_dir / "tokenizer.json").read_bytes())
     metrics = MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb) if d.is_main else None
     log(f"device {device_name(device)} x {d.world_size} | preset {cfg.preset} | params {raw_model.num_params():,} "
-        f"| dtype {cfg.dtype} | compile {cfg.compile} | kernels {cfg.kernels}")
-    log(f"data {data_dir}: {len(train_shards)} train shards, {len(train_windows):,} windows of {seq_len + 1} tokens "
+        f"| dtype {cfg.dtype} | compile {cfg.compile} | kernels {cfg.kernels} | MFU "
+        + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"))
+    log(f"data {data_dir}: {len(train_shards)} train shards ({sum(map(len, train_windows.tokens)):,} tokens), "
+        f"{len(val_shards)} val ({sum(map(len, val_windows.tokens)):,} tokens) "
         f"| {tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
         f"{d.world_size} ranks) | {cfg.max_steps:,} steps = {tokens_per_step * cfg.max_steps:,} tokens")
 
@@ -269,7 +274,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             }
             log(f"Step {step:5d}/{cfg.max_steps} | Loss: {avg_loss:.4f} | PPL: {record['ppl']:.2f} | "
                 f"LR: {lr:.2e} | Norm: {record['grad_norm']:.3f} | Mem: {mem:.2f} GiB | "
-                f"Speed: {tok_s:,.0f} tok/s | ETA {fmt_duration(eta)}", flush=True)
+                f"Speed: {tok_s:,.0f} tok/s" + (f" | MFU: {record['mfu']:.1%}" if peak else "")
+                + f" | ETA {fmt_duration(eta)}", flush=True)
             if metrics:
                 metrics.log(record)
             running_loss.zero_()
