@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import resource
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ PEAK_BF16_FLOPS = {
 def peak_flops(device_name: str) -> float | None:
     """The table's peak for a GPU name, or None when the GPU is unknown (no guessed MFU)."""
     for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):  # "H100 NVL" before "H100"
-        if key in device_name:
+        # Whole words only: "T4" must not match a "T400", nor "H200" a "GH200".
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", device_name):
             return PEAK_BF16_FLOPS[key]
     return None
 
