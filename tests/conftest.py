@@ -34,11 +34,13 @@ def bpe_data(tmp_path_factory) -> Path:
     return out
 
 
-def run_train(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """python -m fastpt.train as a real subprocess (one thread: the machine has two cores)."""
+def run_train(*args: str, timeout: float = 300, env: dict | None = None, nproc: int = 0) -> subprocess.CompletedProcess:
+    """python -m fastpt.train as a real subprocess (one thread: the machine has two cores);
+    nproc > 0 launches it under torchrun with that many processes (gloo on CPU, a free port)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "fastpt.train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=REPO)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    return subprocess.run([sys.executable, *torchrun, "-m", "fastpt.train", *args], capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=REPO)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
