@@ -2,20 +2,67 @@
 
 Knows nothing about fastpt. The import name is shared with an unrelated PyPI package,
 so fastpt checks ``kernels.__fastpt_kernels__`` after importing.
+
+Every op takes ``backend``: "auto" runs the Triton kernels on CUDA tensors and the reference on
+CPU tensors, unless TRITON_INTERPRET=1 is set, which runs the kernels on CPU through Triton's
+interpreter; "triton" forces the kernels (an error where they cannot run); "torch" the reference.
 """
-from kernels import reference
+import importlib.util
+import os
+
+import torch
+
+from kernels import functional, reference
 
 __fastpt_kernels__ = True
-__all__ = ["rms_norm", "cross_entropy", "linear_cross_entropy"]
+__all__ = ["rms_norm", "cross_entropy", "linear_cross_entropy", "available"]
+
+BACKENDS = ("auto", "triton", "torch")
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def rms_norm(x, weight, eps=1e-6, *, backend="auto"):
-    return reference.rms_norm(x, weight, eps)
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def cross_entropy(logits, target, ignore_index=-100, reduction="mean", *, backend="auto"):
-    return reference.cross_entropy(logits, target, ignore_index, reduction)
+def available() -> bool:
+    """Whether the Triton kernels can run here: Triton installed, and a CUDA device or TRITON_INTERPRET=1."""
+    return _HAS_TRITON and (torch.cuda.is_available() or _interpret())
 
 
-def linear_cross_entropy(input, weight, target, ignore_index=-100, reduction="mean", *, backend="auto"):
-    return reference.linear_cross_entropy(input, weight, target, ignore_index, reduction)
+def _use_triton(backend: str, t: torch.Tensor) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    # CUDA is checked first so torch.compile never traces the environment lookup on GPU.
+    runnable = _HAS_TRITON and (t.is_cuda or _interpret())
+    if backend == "triton" and not runnable:
+        why = "Triton is not installed" if not _HAS_TRITON else f"{t.device} tensors need TRITON_INTERPRET=1"
+        raise RuntimeError(f"backend='triton' cannot run: {why}")
+    return runnable
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str = "auto") -> torch.Tensor:
+    """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim; output in x's dtype."""
+    impl = functional if _use_triton(backend, x) else reference
+    return impl.rms_norm(x, weight, eps)
+
+
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
+    *, backend: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of logits (N, V) against target (N,), as F.cross_entropy; fp32 loss."""
+    impl = functional if _use_triton(backend, logits) else reference
+    return impl.cross_entropy(logits, target, ignore_index, reduction)
+
+
+def linear_cross_entropy(
+    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+    reduction: str = "mean", *, backend: str = "auto",
+) -> torch.Tensor:
+    """cross_entropy(input @ weight.T, target), input (N, D), weight (V, D); fp32 loss.
+    The Triton path never materializes the (N, V) logits."""
+    impl = functional if _use_triton(backend, input) else reference
+    return impl.linear_cross_entropy(input, weight, target, ignore_index, reduction)

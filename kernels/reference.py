@@ -3,18 +3,23 @@ import torch
 import torch.nn.functional as F
 
 
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """At least fp32; fp64 stays fp64 so the reference can serve as a float64 oracle."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32, output in x's dtype."""
-    xf = x.float()
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in (at least) fp32, output in x's dtype."""
+    xf = _upcast(x)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rstd).to(x.dtype) * weight
+    return (xf * rstd * weight).to(x.dtype)
 
 
 def cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> torch.Tensor:
-    """Cross-entropy over the last dim, computed in fp32."""
-    return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction)
+    """Cross-entropy of logits (N, V) against target (N,), computed in (at least) fp32."""
+    return F.cross_entropy(_upcast(logits), target, ignore_index=ignore_index, reduction=reduction)
 
 
 def linear_cross_entropy(

@@ -1,0 +1,67 @@
+"""Fused head projection + cross-entropy, chunked over rows so the (N, V) logits never exist.
+
+Per chunk: logits = x @ W.T (torch matmul, fp32 accumulation), the cross-entropy kernel turns
+them into the gradient in place, then dx = grad @ W and dW += grad.T @ x into an fp32
+accumulator. Extra memory is one chunk of logits plus the fp32 dW.
+"""
+import torch
+import triton
+
+from kernels.ops.cross_entropy import cross_entropy_forward
+
+CHUNK_BYTES = 64 * 2**20  # logits held at once; ~1K rows of a 32K vocabulary in bf16
+
+
+def _chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype) -> int:
+    """Rows per chunk: equal chunks, none above CHUNK_BYTES of logits."""
+    bytes_per_row = n_cols * torch.finfo(dtype).bits // 8
+    n_chunks = max(1, triton.cdiv(n_rows * bytes_per_row, CHUNK_BYTES))
+    return max(1, triton.cdiv(n_rows, n_chunks))
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, with acc fp32 and a, b possibly bf16/fp16."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        # Low-precision inputs straight into the fp32 accumulator (torch >= 2.8, CUDA).
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a @ b).float()
+
+
+def linear_cross_entropy_forward(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    compute_dtype: torch.dtype,
+    grad_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row fp32 losses of (input @ weight.T) against target, input (N, D), weight (V, D).
+
+    With grad_scale (0-dim or (N,)), also returns d(sum_i grad_scale[i] * loss_i) with respect to
+    input and weight, in their dtypes; otherwise (loss, None, None). Matmuls run in compute_dtype.
+    """
+    n_rows = input.shape[0]
+    w = weight.to(compute_dtype).contiguous()
+    loss = torch.empty(n_rows, dtype=torch.float32, device=input.device)
+    if grad_scale is not None:
+        grad_scale = grad_scale.expand(n_rows)
+        dinput = torch.empty_like(input)
+        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    chunk = _chunk_rows(n_rows, w.shape[0], compute_dtype)
+    for start in range(0, n_rows, chunk):
+        rows = slice(start, start + chunk)
+        x = input[rows].to(compute_dtype)
+        logits = x @ w.T  # (chunk, V)
+        if grad_scale is None:
+            loss[rows] = cross_entropy_forward(logits, target[rows], ignore_index)
+            continue
+        # The gradient overwrites the logits in place.
+        loss[rows] = cross_entropy_forward(logits, target[rows], ignore_index, logits, grad_scale[rows])
+        dinput[rows] = logits @ w
+        _accumulate_mm(dweight, logits.T, x)
+    if grad_scale is None:
+        return loss, None, None
+    return loss, dinput, dweight.to(weight.dtype)
