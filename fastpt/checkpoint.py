@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -53,13 +54,16 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3) -> Path:
     """Write ckpt_{step}.pt atomically, point `latest` at it, delete all but the newest `keep`."""
     run_dir = Path(run_dir)
     path = run_dir / f"ckpt_{step:08d}.pt"
+    previous = latest(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in run_dir.glob(".*.tmp*"):  # left behind by a process killed mid-write
+            stale.unlink(missing_ok=True)
         write_atomic(path, lambda f: torch.save(state, f))
         write_atomic(run_dir / "latest", lambda f: f.write(path.name.encode()))
-    except OSError as e:
-        raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}; "
-                              "the previous checkpoint is intact") from None
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        kept = f"{previous.name} is intact" if previous else "there is no earlier checkpoint"
+        raise CheckpointError(f"could not write checkpoint {path}: {io_reason(e)}; {kept}") from None
     prune(run_dir, keep)
     return path
 
@@ -68,6 +72,14 @@ def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints, files or shard directories."""
     for old in checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+
+
+def io_reason(e: BaseException) -> str:
+    """The OS's words for a failed write ('No space left on device'), also when torch wrapped them."""
+    os_error = e if isinstance(e, OSError) else e.__context__
+    if isinstance(os_error, OSError) and os_error.strerror:
+        return os_error.strerror
+    return str(e)
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -90,5 +102,5 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
         path = path / STATE_FILE
     try:
         return torch.load(path, map_location=map_location, weights_only=False)
-    except (OSError, RuntimeError, EOFError) as e:
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"could not read checkpoint {path}: {e}") from None

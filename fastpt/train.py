@@ -23,7 +23,8 @@ import torch
 
 from fastpt import checkpoint, distributed
 from fastpt.checkpoint import CheckpointError
-from fastpt.config import CHOICES, CPU_PROFILE, HELP, ConfigError, TrainConfig, model_config, resolve, to_toml
+from fastpt.config import (CHOICES, CPU_PROFILE, HELP, ConfigError, ModelConfig, TrainConfig, model_config,
+                           resolve, suggest, to_toml)
 from fastpt.data import (DataError, TrainLoader, Windows, check_token_ids, data_vocab, eval_batches,
                          find_shards)
 from fastpt.metrics import MetricsLogger, device_name, peak_flops, peak_mem_gib
@@ -31,8 +32,9 @@ from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Testing hook: poison the loss at this step to exercise the non-finite guard.
-FAULT_NAN_STEP = int(os.environ.get("FASTPT_FAULT_NAN_AT_STEP", "-1"))
+# Testing hook: poison the loss of these steps ("3" or "3,5,6", numbered as in the log) to
+# exercise the non-finite guard.
+FAULT_NAN_STEPS = {int(s) for s in os.environ.get("FASTPT_FAULT_NAN_AT_STEP", "").split(",") if s.strip()}
 
 
 class Preemption:
@@ -47,14 +49,22 @@ class Preemption:
         self.requested = True
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A mistyped flag is a user's mistake: one line through ConfigError, not a usage dump."""
+        raise ConfigError(f"command line: {message}")
+
+
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
     """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
-    ap = argparse.ArgumentParser(prog="python -m fastpt.train", description=__doc__.splitlines()[0],
-                                 epilog="On a CPU the defaults become a short tiny-preset run: "
-                                        + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
+    ap = ArgumentParser(prog="python -m fastpt.train", description=__doc__.splitlines()[0],
+                        epilog="On a CPU the defaults become a short tiny-preset run: "
+                               + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
     ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
+    flags = ["--config"]
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        flags.append(flag)
         one_of = f"; one of {', '.join(map(repr, CHOICES[f.name]))}" if f.name in CHOICES else ""
         help_text = f"{HELP[f.name]}{one_of} (default: {f.default!r})"
         if isinstance(f.default, bool):
@@ -62,7 +72,11 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
         else:
             ap.add_argument(flag, type=type(f.default), default=argparse.SUPPRESS, help=help_text,
                             metavar=f.name.upper())
-    args = vars(ap.parse_args(argv))
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        hint = suggest(unknown[0].split("=")[0], flags)
+        raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
+    args = vars(args)
     return args, args.pop("config", None)
 
 
@@ -93,6 +107,24 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rewind_metrics(path: Path, step: int) -> None:
+    """Drop records after `step`: a killed run logged steps that the resumed run is about to redo."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line cut short by the kill is dropped too
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line + "\n")
+    path.write_text("".join(kept))
+
+
+def model_mismatch(saved: dict, mcfg: ModelConfig) -> str:
+    """The architecture fields a checkpoint disagrees on ('dim 512 != 128'); kernels may change freely."""
+    return ", ".join(f"{k} {v} != {getattr(mcfg, k)}" for k, v in saved.items()
+                     if k != "kernels" and getattr(mcfg, k, v) != v)
 
 
 def fmt_duration(seconds: float) -> str:
@@ -158,8 +190,9 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     step, tokens_seen, best_val = 0, 0, float("inf")
     if cfg.resume and (path := checkpoint.latest(run_dir)):
         ckpt = checkpoint.load(path, device)
-        if ckpt["model_config"] != dataclasses.asdict(mcfg):
-            raise ConfigError(f"{path} was written for model {ckpt['model_config']}, this run builds {dataclasses.asdict(mcfg)}")
+        if diff := model_mismatch(ckpt["model_config"], mcfg):
+            raise ConfigError(f"{path} was written for another model ({diff}); "
+                              "resume with the same preset and data")
         distributed.load_state(path, ckpt, raw_model, optimizer)  # any layout, any world size
         scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
@@ -168,6 +201,9 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         log(f"resumed from {path} at step {step}")
     elif cfg.resume:
         log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
+    elif path := checkpoint.latest(run_dir):  # a fresh run would mix its checkpoints with the old ones
+        raise ConfigError(f"{run_dir} already holds a run (newest checkpoint {path.name}): "
+                          "add --resume to continue it, or choose another --out")
 
     def save_checkpoint() -> bool:
         model_state, optim_state = distributed.get_state(raw_model, optimizer)
@@ -189,10 +225,14 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     flops_per_step = raw_model.flops_per_token(seq_len) * tokens_per_step
     peak = peak_flops(device_name(device)) if device.type == "cuda" else None
     if d.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(to_toml(cfg))
-        if (data_dir / "tokenizer.json").is_file():  # the run folder alone is enough for fastpt.sample
-            (run_dir / "tokenizer.json").write_bytes((data_dir / "tokenizer.json").read_bytes())
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(to_toml(cfg))
+            if (data_dir / "tokenizer.json").is_file():  # the run folder alone is enough for fastpt.sample
+                (run_dir / "tokenizer.json").write_bytes((data_dir / "tokenizer.json").read_bytes())
+            rewind_metrics(run_dir / "metrics.jsonl", step)
+        except OSError as e:
+            raise ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})") from None
     metrics = MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb) if d.is_main else None
     log(f"device {device_name(device)} x {d.world_size} | preset {cfg.preset} | params {raw_model.num_params():,} "
         f"| dtype {cfg.dtype} | compile {cfg.compile} | kernels {cfg.kernels} | MFU "
@@ -224,7 +264,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             distributed.set_grad_sync(model, micro_step == cfg.grad_accum - 1)
             with autocast:
                 _, loss, _ = model(batch.x, labels=batch.y)
-            if step == FAULT_NAN_STEP:
+            if step + 1 in FAULT_NAN_STEPS:
                 loss = loss * float("nan")
             loss = loss / cfg.grad_accum  # so accumulated grads average like one big batch
             scaler.scale(loss).backward()
@@ -233,33 +273,39 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         scaler.unscale_(optimizer)
         grad_norm = distributed.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
         finite = torch.isfinite(accum_loss) & (torch.isfinite(grad_norm) | (cfg.dtype == "fp16"))
-        if cfg.on_nonfinite == "skip" and not finite.item():
+        step += 1  # from here on, the number of this step as the log and the metrics count it
+        if cfg.on_nonfinite == "skip" and not finite.item():  # one sync per step, in skip mode only
             skips, consecutive_skips = skips + 1, consecutive_skips + 1
-            log(f"step {step}: non-finite loss or gradient, update skipped ({consecutive_skips} in a row)")
-            scaler.update()
+            log(f"step {step}: non-finite loss or gradient norm, update skipped ({consecutive_skips} in a row)")
             if consecutive_skips >= cfg.max_skips:
-                log(f"fastpt: stopping: {consecutive_skips} consecutive non-finite steps (max_skips)")
+                log(f"fastpt: error: stopping at step {step}: {consecutive_skips} consecutive non-finite steps "
+                    "(max_skips)", file=sys.stderr)
                 exit_code = 1
                 break
-            step += 1
-            continue
-        consecutive_skips = 0
-        first_bad_step = torch.where(~finite & (first_bad_step < 0), step, first_bad_step)
-        scaler.step(optimizer)
+        else:
+            consecutive_skips = 0
+            first_bad_step = torch.where(~finite & (first_bad_step < 0), step, first_bad_step)
+            scaler.step(optimizer)
+            tokens_seen += tokens_per_step
+            running_loss += accum_loss
+            window_steps += 1
+            window_tokens += tokens_per_step
         scaler.update()
-        step += 1
-        tokens_seen += tokens_per_step
-        running_loss += accum_loss
-        window_steps += 1
-        window_tokens += tokens_per_step
 
         is_last = step == cfg.max_steps
-        if step % cfg.log_every == 0 or is_last:
-            if (bad := int(first_bad_step)) >= 0:
-                log(f"fastpt: error: non-finite loss or gradient norm at step {bad} (stopping; "
-                    f"--on-nonfinite skip skips such updates); last checkpoint is kept")
-                exit_code = 1
-                break
+        preempted = distributed.any_rank(preemption.requested, d) if (
+            not d.enabled or step % cfg.log_every == 0) else False
+        log_now, eval_now = step % cfg.log_every == 0 or is_last, step % cfg.eval_every == 0 or is_last
+        ckpt_now = step % cfg.ckpt_every == 0 or is_last or preempted
+        # The stop-mode flag is read only here, so nothing is logged, evaluated or saved from bad weights.
+        if (log_now or eval_now or ckpt_now) and (bad := int(first_bad_step)) >= 0:
+            last = checkpoint.latest(run_dir)
+            log(f"fastpt: error: non-finite loss or gradient norm at step {bad}; stopped, the latest checkpoint "
+                f"({last.name if last else 'none'}) predates it (--on-nonfinite skip skips such updates)",
+                file=sys.stderr)
+            exit_code = 1
+            break
+        if log_now and window_steps:  # in skip mode a window may hold no update at all
             avg_loss = (running_loss / window_steps).item()
             elapsed = time.perf_counter() - window_start
             tok_s = window_tokens / elapsed
@@ -283,18 +329,15 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             loader.wait_s = 0.0
             window_start = time.perf_counter()
 
-        if step % cfg.eval_every == 0 or is_last:
+        if eval_now:
             val_loss = evaluate(model, val_windows, cfg, device, autocast, d)
             best_val = min(best_val, val_loss)
             log(f"Step {step:5d}/{cfg.max_steps} | val loss {val_loss:.4f} | val PPL {math.exp(min(val_loss, 20)):.2f}")
             if metrics:
                 metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 20.0))})
 
-        preempted = distributed.any_rank(preemption.requested, d) if (
-            not d.enabled or step % cfg.log_every == 0) else False
-        if step % cfg.ckpt_every == 0 or is_last or preempted:
-            if not save_checkpoint() and is_last:
-                exit_code = 1
+        if ckpt_now and not save_checkpoint() and (is_last or preempted):
+            exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
         if preempted:
             log(f"preempted: stopped after step {step}; continue with --resume")
             break
@@ -305,9 +348,9 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cli, config_file = parse_args(argv)
     d = None
     try:
+        cli, config_file = parse_args(argv)
         device_type = pick_device(cli)
         cfg = resolve(cli, config_file, device_type)
         d = distributed.setup(cfg.device)
