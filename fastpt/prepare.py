@@ -123,12 +123,11 @@ def default_corpus(vocab_size: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.splitlines()[0])
     ap.add_argument("inputs", nargs="*", help="text files, folders or globs (default: the Python stdlib sources)")
     ap.add_argument("--out", required=True, help="output folder for shards, tokenizer.json, meta.json")
-    ap.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe", help="tokenizer kind")
-    ap.add_argument("--vocab-size", type=int, default=32000, help="BPE vocabulary size")
+    ap.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe", help="tokenizer kind (default: %(default)s)")
+    ap.add_argument("--vocab-size", type=int, default=32000, help="BPE vocabulary size (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.vocab_size < 257:
         ap.error(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {args.vocab_size}")

@@ -67,20 +67,24 @@ def load_model(ckpt: dict, device: torch.device) -> Transformer:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m fastpt.sample", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m fastpt.sample", description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", required=True, metavar="RUN_DIR", help="run folder (its newest checkpoint is used)")
-    ap.add_argument("--prompt", default="", help="text to continue ('' = start a new document)")
-    ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
-    ap.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy")
-    ap.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all")
-    ap.add_argument("--tokenizer", default="", help="tokenizer.json ('' = the run's, else its data folder's)")
-    ap.add_argument("--device", choices=("", "cpu", "cuda"), default="", help="'' = cuda if available, else cpu")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model (dynamic shapes)")
-    ap.add_argument("--seed", type=int, default=1337, help="random seed for sampling")
+    ap.add_argument("--prompt", default="", help="text to continue; '' = start a new document (default: %(default)r)")
+    ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: %(default)r)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: %(default)r)")
+    ap.add_argument("--top-k", type=int, default=200,
+                    help="sample among the k most likely tokens; 0 = all (default: %(default)r)")
+    ap.add_argument("--tokenizer", default="",
+                    help="a tokenizer.json; '' = the run's, else its data folder's (default: %(default)r)")
+    ap.add_argument("--device", choices=("", "cpu", "cuda"), default="",
+                    help="'' = cuda if available, else cpu (default: %(default)r)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (default: %(default)r)")
+    ap.add_argument("--seed", type=int, default=1337, help="random seed for sampling (default: %(default)r)")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
         ap.error("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no CUDA device")
     return args
 
 

@@ -1,0 +1,160 @@
+"""What a user touches around the loop: metrics, TensorBoard, sampling, plots, --help."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, read_metrics, run_train
+from fastpt import checkpoint, plot, prepare, sample, train
+from fastpt.config import HELP, PRESETS, TrainConfig
+from fastpt.metrics import MetricsLogger, peak_flops
+from fastpt.model import Transformer
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_data, tmp_path_factory):
+    """A 5-step tiny run with TensorBoard on: one checkpoint, train and eval metrics."""
+    out = tmp_path_factory.mktemp("ux") / "run"
+    result = run_train("--data", str(tiny_data), "--out", str(out), *TINY, "--max-steps", "5",
+                       "--log-every", "1", "--tensorboard")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def load_model(run_dir) -> Transformer:
+    return sample.load_model(checkpoint.load(checkpoint.latest(run_dir)), torch.device("cpu"))
+
+
+def greedy_without_cache(model: Transformer, ids: list[int], n: int) -> list[int]:
+    """The oracle: re-run the whole sequence for every new token."""
+    out = list(ids)
+    for _ in range(n):
+        logits, _, _ = model(torch.tensor([out]))
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+def test_metrics_records_carry_the_documented_fields(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = read_metrics(run_dir)
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5]
+    for r in train_records:
+        assert {"step", "loss", "lr", "grad_norm", "tok_s", "mfu", "peak_mem_gib", "data_wait_pct"} <= r.keys()
+        assert r["mfu"] is None  # a CPU has no peak-FLOPs entry: no made-up number
+    evals = [r for r in records if "val_loss" in r]
+    assert evals and evals[-1]["val_ppl"] == pytest.approx(math.exp(evals[-1]["val_loss"]))
+
+
+def test_tensorboard_event_file_is_written(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4, 5]
+    assert "val_loss" in acc.Tags()["scalars"]
+
+
+def test_sample_prints_text_from_the_run_folder(run_dir):
+    assert (run_dir / "tokenizer.json").is_file()  # the run folder is self-contained
+    result = subprocess.run([sys.executable, "-m", "fastpt.sample", "--ckpt", str(run_dir), "--prompt", "def ",
+                             "--max-new-tokens", "40", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def ") and len(result.stdout) > len("def \n")
+    assert "ckpt_00000005.pt: step 5" in result.stderr
+
+
+def test_kv_cache_generation_equals_full_recompute(run_dir):
+    model = load_model(run_dir)
+    prompt = [256, *b"import os\n"]
+    cached = sample.generate(model, prompt, 30, temperature=0)
+    assert cached == greedy_without_cache(model, prompt, 30)
+    torch.manual_seed(0)
+    assert sample.generate(model, prompt, 30, temperature=1.0, top_k=1) == cached  # top-1 is greedy
+
+
+def test_generation_continues_past_the_context_window():
+    model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=50, max_seq_len=16)).eval()
+    torch.manual_seed(0)
+    out = sample.generate(model, [1, 2, 3], 40, temperature=1.0, top_k=10)
+    assert len(out) == 43 and all(0 <= t < 50 for t in out)
+
+
+@pytest.mark.slow
+def test_compiled_generation_matches_eager(run_dir):
+    model = load_model(run_dir)
+    prompt = [256, *b"class "]
+    compiled = torch.compile(model, dynamic=True)
+    assert sample.generate(compiled, prompt, 12, temperature=0) == sample.generate(model, prompt, 12, temperature=0)
+
+
+def test_sample_without_a_checkpoint_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint in"):
+        sample.main(["--ckpt", str(tmp_path)])
+
+
+def test_plot_writes_a_png(run_dir):
+    path = plot.plot(run_dir)
+    assert path == run_dir / "loss.png"
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_plot_without_matplotlib_says_what_to_install(run_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        plot.plot(run_dir)
+
+
+def test_wandb_without_the_package_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(SystemExit, match="pip install wandb"):
+        MetricsLogger(tmp_path, {}, wandb_project="fastpt")
+
+
+def test_peak_flops_table_knows_gpus_and_admits_unknown_ones():
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 NVL") == 835e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("NVIDIA L4") == 121e12
+    for unknown in ("cpu", "NVIDIA T400", "NVIDIA GB300", "Some Future Accelerator"):
+        assert peak_flops(unknown) is None
+
+
+def help_text(main, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_train_help_documents_every_config_field(capsys):
+    text = help_text(train.main, capsys)
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    assert set(HELP) == set(names)  # a new field needs its one-line help
+    for name in names:
+        assert "--" + name.replace("_", "-") in text
+    assert text.count("(default:") >= len(names)
+
+
+@pytest.mark.parametrize("module, options", [
+    (prepare, ["--out", "--tokenizer", "--vocab-size", "inputs"]),
+    (sample, ["--ckpt", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--tokenizer", "--device",
+              "--compile", "--seed"]),
+    (plot, ["RUN_DIR"]),
+])
+def test_every_command_help_lists_its_options(module, options, capsys):
+    text = help_text(module.main, capsys)
+    for option in options:
+        assert option in text
+    if module is not plot:  # plot's only argument is the required run folder
+        assert text.count("(default:") >= len(options) - 1  # all but the required --out / --ckpt
