@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastpt import checkpoint
+from fastpt import checkpoint, distributed
 from fastpt.checkpoint import CheckpointError
 from fastpt.config import ModelConfig
 from fastpt.model import Transformer
@@ -60,10 +60,12 @@ def find_tokenizer(run_dir: Path, train_config: dict) -> Path:
                      "pass --tokenizer FILE (a tokenizer.json from fastpt.prepare or Hugging Face)")
 
 
-def load_model(ckpt: dict, device: torch.device) -> Transformer:
-    model = Transformer(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval()
+def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
+    """The model of a checkpoint (a file, or an FSDP shard directory gathered whole) and its state."""
+    ckpt = checkpoint.load(path, device)
+    model = Transformer(ModelConfig(**ckpt["model_config"])).to(device)
+    distributed.load_state(path, ckpt, model)
+    return model.eval(), ckpt
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,11 +98,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"fastpt.sample: no checkpoint in {run_dir} (train with --out {run_dir} first)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        ckpt = checkpoint.load(path, device)
+        model, ckpt = load_model(path, device)
     except CheckpointError as e:
         raise SystemExit(f"fastpt.sample: {e}") from None
     tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(run_dir, ckpt.get("train_config", {})))
-    model = load_model(ckpt, device)
     print(f"{path}: step {ckpt['step']}, {model.num_params():,} params, on {device}", file=sys.stderr)
 
     # Training documents start with end-of-text, so a prompt continues from one as well.

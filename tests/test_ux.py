@@ -28,7 +28,7 @@ def run_dir(tiny_data, tmp_path_factory):
 
 
 def load_model(run_dir) -> Transformer:
-    return sample.load_model(checkpoint.load(checkpoint.latest(run_dir)), torch.device("cpu"))
+    return sample.load_model(checkpoint.latest(run_dir), torch.device("cpu"))[0]
 
 
 def greedy_without_cache(model: Transformer, ids: list[int], n: int) -> list[int]:
