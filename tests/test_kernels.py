@@ -84,7 +84,7 @@ def _check_op(op: str, inputs: list[torch.Tensor], args: tuple, backend: str, rt
     upstream = torch.ones_like(expected) if upstream_one else torch.randn_like(expected)
     out.backward(upstream.to(out.dtype))
     expected.backward(upstream)
-    if out.dtype == torch.float32 and expected.isnan().any():
+    if expected.isnan().any():  # "mean" over zero tokens
         assert torch.equal(out.isnan(), expected.isnan())
     else:
         _assert_close(out, expected.detach(), rtol)
@@ -92,7 +92,17 @@ def _check_op(op: str, inputs: list[torch.Tensor], args: tuple, backend: str, rt
         _assert_close(t.grad, r.grad, rtol)
 
 
-# ------------------------------------------------------------------ interpreter (CPU, fp32)
+def _bf16_case(op: str, device: str, rows: int, vocab: int) -> tuple[list[torch.Tensor], tuple]:
+    randn = lambda *shape: torch.randn(shape, device=device, dtype=torch.bfloat16)  # noqa: E731
+    if op == "rms_norm":
+        return [randn(rows, 512), 1 + 0.1 * randn(512)], (1e-6,)
+    target = _targets(rows, vocab, 0.1, device)
+    if op == "cross_entropy":
+        return [3 * randn(rows, vocab)], (target, -100, "mean")
+    return [randn(rows, 512), randn(vocab, 512) / 512**0.5], (target, -100, "mean")
+
+
+# ---------------------------------------------------------------- interpreter, on CPU
 
 @interpreted
 @pytest.mark.parametrize("shape", [(1, 2048), (123, 760), (3, 41, 123)])
@@ -141,6 +151,14 @@ def test_all_targets_ignored(ops, op, reduction):
     """As F.cross_entropy: "mean" over zero tokens is nan, "sum" is 0; the gradients are all 0."""
     inputs = [torch.randn(7, 1000)] if op == "cross_entropy" else [torch.randn(7, 32), torch.randn(1000, 32)]
     _check_op(op, inputs, (torch.full((7,), -100), -100, reduction), "triton", 1e-4, True)
+
+
+@interpreted
+@pytest.mark.parametrize("op", ["rms_norm", "cross_entropy", "linear_cross_entropy"])
+def test_bf16_interpreted(ops, op):
+    """The bf16 loads, stores and casts (none of these kernels uses the interpreter's broken bf16 tl.dot)."""
+    inputs, args = _bf16_case(op, "cpu", 37, 4099)
+    _check_op(op, inputs, args, "triton", 1e-2)
 
 
 class _CountingKernel:
@@ -201,21 +219,26 @@ class _Head(torch.nn.Module):
         return loss + kernels.cross_entropy(logits, target[: logits.shape[0]], backend=self.backend)
 
 
-@interpreted
-def test_compile_fullgraph_cpu(ops):
-    """torch.compile(fullgraph=True) traces through the custom ops (aot_eager keeps it quick on CPU)."""
-    torch._dynamo.reset()
-    head = _Head(48, 300, "triton")
-    h, target = torch.randn(2, 5, 48, requires_grad=True), _targets(10, 300, 0.2)
+def _compiled_vs_eager_reference(head: _Head, h: torch.Tensor, target: torch.Tensor, **compile_kwargs):
+    """Loss and gradients of the compiled head on the kernels, and of the eager head on the reference."""
     results = []
-    for fn, backend in ((torch.compile(head, fullgraph=True, backend="aot_eager"), "triton"), (head, "torch")):
+    for fn, backend in ((torch.compile(head, fullgraph=True, **compile_kwargs), head.backend), (head, "torch")):
         head.backend = backend
         head.zero_grad()
         h.grad = None
         loss = fn(h, target)
         loss.backward()
         results.append([loss, h.grad, head.norm_weight.grad, head.embedding.grad])
-    for a, b in zip(*results):
+    return results
+
+
+@interpreted
+def test_compile_fullgraph_cpu(ops):
+    """torch.compile(fullgraph=True) traces through the custom ops (aot_eager keeps it quick on CPU)."""
+    torch._dynamo.reset()
+    h, target = torch.randn(2, 5, 48, requires_grad=True), _targets(10, 300, 0.2)
+    ours, ref = _compiled_vs_eager_reference(_Head(48, 300, "triton"), h, target, backend="aot_eager")
+    for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -248,21 +271,11 @@ def test_tiny_model_trains_like_reference(ops):
 
 # ---------------------------------------------------------------------------- CUDA only
 
-def _bf16_case(op: str) -> tuple[list[torch.Tensor], tuple]:
-    randn = lambda *shape: torch.randn(shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    if op == "rms_norm":
-        return [randn(4, 1000, 512), 1 + 0.1 * randn(512)], (1e-6,)
-    target = _targets(4096, 32000, 0.1, "cuda")
-    if op == "cross_entropy":
-        return [3 * randn(4096, 32000)], (target, -100, "mean")
-    return [randn(4096, 512), randn(32000, 512) / 512**0.5], (target, -100, "mean")
-
-
 @cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["rms_norm", "cross_entropy", "linear_cross_entropy"])
 def test_bf16_cuda(op):
-    inputs, args = _bf16_case(op)
+    inputs, args = _bf16_case(op, "cuda", 4096, 32000)
     _check_op(op, inputs, args, "auto", 1e-2)
 
 
@@ -305,17 +318,10 @@ def test_linear_cross_entropy_memory_cuda():
 @pytest.mark.gpu
 def test_compile_fullgraph_cuda():
     torch._dynamo.reset()
-    head = _Head(256, 4096, "auto").cuda()
     h = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     target = _targets(256, 4096, 0.1, "cuda")
-    grads = []
-    for fn, backend in ((torch.compile(head, fullgraph=True), "auto"), (head, "torch")):
-        head.backend = backend
-        head.zero_grad()
-        h.grad = None
-        fn(h, target).backward()
-        grads.append([h.grad, head.norm_weight.grad, head.embedding.grad])
-    for a, b in zip(*grads):
+    ours, ref = _compiled_vs_eager_reference(_Head(256, 4096, "auto").cuda(), h, target)
+    for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 

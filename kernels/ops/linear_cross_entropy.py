@@ -4,6 +4,8 @@ Per chunk: logits = x @ W.T (torch matmul, fp32 accumulation), the cross-entropy
 them into the gradient in place, then dx = grad @ W and dW += grad.T @ x into an fp32
 accumulator. Extra memory is one chunk of logits plus the fp32 dW.
 """
+import functools
+
 import torch
 import triton
 
@@ -19,15 +21,26 @@ def _chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype) -> int:
     return max(1, triton.cdiv(n_rows, n_chunks))
 
 
+@functools.lru_cache
+def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
+    """Whether addmm can add a bf16 product straight into an fp32 tensor here: recent torch on
+    CUDA only (older releases require `self` in the inputs' dtype), so ask once per device."""
+    acc, one = torch.zeros(1, 1, device=device), torch.ones(1, 1, device=device, dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b, with acc fp32 and a, b possibly bf16/fp16."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
-        # Low-precision inputs straight into the fp32 accumulator (torch >= 2.8, CUDA).
+    elif _addmm_accumulates_in_fp32(acc.device):
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
-        acc += (a @ b).float()
+        acc += (a @ b).float()  # the product is rounded once, the sum over chunks stays fp32
 
 
 def linear_cross_entropy_forward(
