@@ -1,0 +1,5 @@
+"""fastpt benchmarks: train-step tok/s, peak memory and MFU per mode, and a kernel table.
+
+python -m bench [--preset P] [--modes LIST] ...   train-step table (see bench/train_step.py)
+python -m bench kernels [--json PATH]             kernel table (see bench/kernel_table.py)
+"""

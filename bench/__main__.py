@@ -1,0 +1,15 @@
+"""python -m bench [train-step options] | python -m bench kernels [kernel-table options]"""
+import sys
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if argv[:1] == ["kernels"]:
+        from bench.kernel_table import main as kernel_main
+        return kernel_main(argv[1:])
+    from bench.train_step import main as train_step_main
+    return train_step_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

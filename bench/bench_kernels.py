@@ -1,0 +1,43 @@
+"""pytest-benchmark: forward + backward of each kernel provider (small fp32 on CPU, bf16 on GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.common import sync
+from bench.suite import median_s, needs_cuda, record
+from bench.kernel_table import SHAPES, extra_gib, fwd_bwd, make_inputs, providers
+
+PEERS = {"rms_norm": ["F.rms_norm", "liger"], "cross_entropy": ["liger"],
+         "linear_cross_entropy": ["liger", "F.linear_cross_entropy"]}
+GPU_CASES = [(op, p) for op in SHAPES for p in ["torch", "torch.compile", "fastpt", *PEERS[op]]]
+
+
+def bench_kernel(benchmark, op: str, provider: str, device: torch.device, dtype: torch.dtype, rounds: int):
+    available = providers(op, device)
+    if provider not in available:
+        pytest.skip(f"{provider} is not available here")
+    fn, shape = available[provider], SHAPES[op][device.type != "cuda"]
+    args = make_inputs(op, shape, device, dtype)
+
+    def call() -> None:
+        fwd_bwd(fn, args)
+        sync(device)
+
+    benchmark.pedantic(call, rounds=rounds, warmup_rounds=3, iterations=1)
+    median = median_s(benchmark)
+    record(benchmark, device, op=op, provider=provider, shape=list(shape), dtype=str(dtype),
+           ms=1e3 * median if median else None, extra_gib=extra_gib(call, device))
+
+
+@pytest.mark.parametrize("provider", ["torch", "fastpt"])
+@pytest.mark.parametrize("op", list(SHAPES))
+def test_kernel_cpu(benchmark, op, provider):
+    bench_kernel(benchmark, op, provider, torch.device("cpu"), torch.float32, rounds=5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("op,provider", GPU_CASES)
+def test_kernel_gpu(benchmark, op, provider):
+    bench_kernel(benchmark, op, provider, torch.device("cuda"), torch.bfloat16, rounds=50)

@@ -1,0 +1,95 @@
+"""What every benchmark records and prints: environment, device sync, memory, markdown."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+from pathlib import Path
+
+import torch
+
+from fastpt.metrics import device_name
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True,
+                          timeout=10).stdout.strip()
+
+
+def git_commit() -> str:
+    """HEAD (+dirty with local changes); FASTPT_COMMIT wins, e.g. on a machine without .git."""
+    if os.environ.get("FASTPT_COMMIT"):
+        return os.environ["FASTPT_COMMIT"]
+    try:
+        return _git("rev-parse", "--short=12", "HEAD") + ("+dirty" if _git("status", "--porcelain") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    for name in ("triton", "liger_kernel"):
+        try:
+            out[name] = __import__(name).__version__
+        except (ImportError, AttributeError):
+            out[name] = None
+    return out
+
+
+def env_info(device: torch.device) -> dict:
+    """Device, versions, commit and date: every stored figure carries these."""
+    return {"device": device.type, "device_name": device_name(device), **versions(),
+            "cpu_threads": torch.get_num_threads(), "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so a host timer measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rss_gib() -> float:
+    """This process's current resident set (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def max_rss_gib() -> float:
+    """This process's peak resident set so far (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
+    """A bf16 n x n x n matmul's TFLOP/s measured now: the ceiling MFU is also quoted against."""
+    if device.type != "cuda":
+        return None
+    from triton.testing import do_bench
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    del a, b
+    torch.cuda.empty_cache()  # the benchmarked modes run in child processes: leave them the memory
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def fmt(value, spec: str = ".3g") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,217 @@
+"""Kernel table: fastpt's kernels vs torch eager, torch.compile and peers, forward + backward.
+
+python -m bench kernels [--device cuda|cpu] [--ops LIST] [--providers LIST] [--json PATH] [--markdown PATH]
+
+On CUDA: bf16 at the kernels issue's shapes, triton.testing.do_bench medians and the extra
+memory one call allocates (max_memory_allocated minus what was allocated before; the input
+gradients are part of it). On CPU: fp32 at small shapes, wall-clock medians and no memory
+column; there fastpt dispatches to its reference, so the table only checks the harness.
+Liger and torch's chunked F.linear_cross_entropy join when importable / present.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from bench.common import env_info, fmt, markdown_table, sync, write_json
+from kernels import reference
+
+EPS = 1e-6
+# op -> (CUDA shape, CPU shape); linear_cross_entropy is (N, D, V), the others (N, D) / (N, V)
+SHAPES = {
+    "rms_norm": ((65536, 512), (1024, 512)),
+    "cross_entropy": ((32768, 32000), (512, 4096)),
+    "linear_cross_entropy": ((32768, 512, 32000), (512, 128, 4096)),
+}
+IGNORED = 0.05  # fraction of targets set to ignore_index, as in real padded batches
+
+
+def make_inputs(op: str, shape: tuple, device: torch.device, dtype: torch.dtype, seed: int = 0) -> list:
+    """The op's arguments; floating tensors are leaves that require grad."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(device, dtype).requires_grad_()
+    if op == "rms_norm":
+        n, d = shape
+        return [rand(n, d), rand(d, scale=0.1).detach().add_(1).requires_grad_()]
+    n, v = shape[0], shape[-1]
+    target = torch.randint(0, v, (n,), generator=g)
+    target[torch.rand(n, generator=g) < IGNORED] = -100
+    target = target.to(device)
+    if op == "cross_entropy":
+        return [rand(n, v, scale=2.0), target]
+    return [rand(n, shape[1]), rand(v, shape[1], scale=0.02), target]
+
+
+def liger_providers(op: str) -> dict[str, Callable]:
+    """Liger's kernels when the package is installed (none otherwise)."""
+    try:
+        from liger_kernel.transformers import (LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss,
+                                               LigerRMSNorm)
+    except ImportError:
+        return {}
+    if op == "rms_norm":
+        def liger_rms_norm(x, w):  # the module owns its weight: share ours so gradients land on it
+            norm = LigerRMSNorm(w.shape[0], eps=EPS)
+            norm.weight = w
+            return norm(x)
+        return {"liger": liger_rms_norm}
+    if op == "cross_entropy":
+        return {"liger": LigerCrossEntropyLoss()}
+    flce = LigerFusedLinearCrossEntropyLoss()
+    return {"liger": lambda x, w, t: flce(w, x, t)}
+
+
+def reference_fn(op: str) -> Callable:
+    """The pure-PyTorch op (what the model runs with --kernels torch), taking the table's arguments."""
+    ref = getattr(reference, op)
+    return (lambda x, w: ref(x, w, EPS)) if op == "rms_norm" else ref
+
+
+def providers(op: str, device: torch.device) -> dict[str, Callable]:
+    """Every implementation of `op` available here, by name; "torch" is the eager reference."""
+    backend = "triton" if device.type == "cuda" else "auto"
+    fastpt_op = getattr(kernels, op)
+    out = {"torch": reference_fn(op), "torch.compile": torch.compile(reference_fn(op))}
+    if op == "rms_norm":
+        out["F.rms_norm"] = lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS)
+        out["fastpt"] = lambda x, w: fastpt_op(x, w, EPS, backend=backend)
+    else:
+        out["fastpt"] = lambda *args: fastpt_op(*args, backend=backend)
+    if op == "linear_cross_entropy" and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        options = torch.nn.LinearCrossEntropyOptions()  # opts in to torch's chunked path
+        out["F.linear_cross_entropy"] = lambda x, w, t: F.linear_cross_entropy(x, w, t, ignore_index=-100,
+                                                                               options=options)
+    return {**out, **liger_providers(op)}
+
+
+def fwd_bwd(fn: Callable, args: list) -> torch.Tensor:
+    """One forward + backward from fresh gradients; returns the forward output."""
+    for a in args:
+        a.grad = None
+    out = fn(*args)
+    out.backward(torch.ones_like(out) if out.dim() else None)
+    return out
+
+
+def grads(out: torch.Tensor, args: list) -> list[torch.Tensor]:
+    return [out.detach(), *(a.grad for a in args if a.requires_grad)]
+
+
+def oracle(op: str, args: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Output and input gradients of the reference in a wider dtype (fp64 for fp32, fp32 for bf16)."""
+    wide = torch.float64 if dtype == torch.float32 else torch.float32
+    wide_args = [a.detach().to(wide).requires_grad_() if a.is_floating_point() else a for a in args]
+    return grads(fwd_bwd(reference_fn(op), wide_args), wide_args)
+
+
+def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Worst over output and gradients of max |got - want| / max |want|."""
+    return max(((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
+               for g, w in zip(got, want))
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median milliseconds per call (do_bench on CUDA, a wall clock on CPU)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        return do_bench(fn, return_mode="median")
+    fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + 1.0
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 100):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def extra_gib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Memory one call allocates beyond what existed before it, outputs and gradients included."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    sync(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
+def bench_op(op: str, device: torch.device, dtype: torch.dtype, names: list[str] | None = None) -> list[dict]:
+    """One row per provider of `op`; a provider that raises gets a row with its error instead."""
+    shape = SHAPES[op][device.type != "cuda"]
+    args = make_inputs(op, shape, device, dtype)
+    want = oracle(op, args, dtype)
+    rows = []
+    for name, fn in providers(op, device).items():
+        if names and name not in names:
+            continue
+        row = {"op": op, "shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "provider": name}
+        try:
+            row["rel_err"] = max_rel_err(grads(fwd_bwd(fn, args), args), want)
+            row["ms"] = time_ms(lambda: fwd_bwd(fn, args), device)
+            row["extra_gib"] = extra_gib(lambda: fwd_bwd(fn, args), device)
+        except Exception as e:  # a peer that fails (say, under compile) is a result, not a crash
+            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200]
+        rows.append(row)
+    return rows
+
+
+def speedup(row: dict, rows: list[dict], provider: str) -> str:
+    ref = next((r for r in rows if r["op"] == row["op"] and r["provider"] == provider and "ms" in r), None)
+    return f"{ref['ms'] / row['ms']:.2f}x" if ref and "ms" in row else "–"
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    head = (f"kernels, forward + backward · {env['device_name']} · torch {env['torch']} · triton {env['triton']} "
+            f"· liger {env['liger_kernel'] or 'not installed'} · commit {env['commit']}")
+    header = ["op", "shape", "dtype", "provider", "ms", "vs torch", "vs torch.compile", "extra GiB", "max rel err"]
+    table = []
+    for r in rows:
+        first = [r["op"], " x ".join(map(str, r["shape"])), r["dtype"], r["provider"]]
+        if "error" in r:
+            table.append(first + [f"error: {r['error']}", "", "", "", ""])
+        else:
+            table.append(first + [f"{r['ms']:.3f}", speedup(r, rows, "torch"), speedup(r, rows, "torch.compile"),
+                                  fmt(r["extra_gib"], ".3f"), f"{r['rel_err']:.1e}"])
+    note = "speedups are the provider's ms over the torch / torch.compile ms of the same op (higher is faster)"
+    return f"{head}\n\n{markdown_table(header, table)}\n\n{note}."
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the kernel table; non-zero only when fastpt's own kernels fail (peers may)."""
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
+    ap.add_argument("--ops", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
+    ap.add_argument("--providers", default="", help="comma-separated subset (default: every one available)")
+    ap.add_argument("--json", help="write every row (and the table) here")
+    ap.add_argument("--markdown", help="write the table here")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not cuda:
+        ap.error("--device cuda but torch sees no CUDA device")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = args.providers.split(",") if args.providers else None
+    env = env_info(device)
+    rows = []
+    for op in args.ops.split(","):
+        if op not in SHAPES:
+            ap.error(f"unknown op {op!r}: choose from {', '.join(SHAPES)}")
+        print(f"bench kernels: {op} ...", file=sys.stderr, flush=True)
+        rows += [{**env, **r} for r in bench_op(op, device, dtype, names)]
+    table = markdown(rows, env)
+    print(table)
+    if args.json:
+        write_json(args.json, {"kind": "kernels", "markdown": table, "rows": rows})
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    return 1 if any("error" in r and r["provider"] == "fastpt" for r in rows) else 0

@@ -1,0 +1,58 @@
+"""`python -m bench` and `python -m bench kernels` on CPU: the rows they write and the loss check."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.common import REPO
+from bench.train_step import losses_agree, parse_mode
+
+ROW_FIELDS = {"mode", "tok_s", "step_ms", "peak_mem_gib", "mfu", "loss", "compile_s", "device", "device_name",
+              "torch", "triton", "commit", "preset", "micro_batch", "seq_len", "grad_accum", "dtype", "data"}
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=600)
+
+
+def test_train_step_cli_rows_and_agreeing_losses(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = run_bench("--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                     "--modes", "eager,compiled", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["losses_agree"] and "| eager |" in proc.stdout and "| compiled |" in proc.stdout
+    rows = result["rows"]
+    assert [r["mode"] for r in rows] == ["eager", "compiled"]
+    for r in rows:
+        assert ROW_FIELDS <= r.keys()
+        assert r["tok_s"] > 0 and r["peak_mem_gib"] >= 0 and r["mfu"] is None  # no MFU on CPU
+        assert r["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)
+
+
+def test_kernel_cli_rows(tmp_path):
+    out = tmp_path / "kernels.json"
+    proc = run_bench("kernels", "--device", "cpu", "--providers", "torch,fastpt", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["op"], r["provider"]) for r in rows} == {
+        (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy") for p in ("torch", "fastpt")}
+    assert all(r["ms"] > 0 and r["rel_err"] < 1e-5 for r in rows)
+
+
+def test_modes_parse():
+    assert parse_mode("compiled+kernels+cudagraphs").compile_mode == "reduce-overhead"
+    assert parse_mode("baseline").impl == "baseline" and parse_mode("baseline").compile
+    for bad in ("fast", "eager+autotune", "baseline+kernels", "compiled+autotune+cudagraphs", "eager+kernels+kernels"):
+        with pytest.raises(ValueError):
+            parse_mode(bad)
+
+
+def test_losses_agree_flags_disagreement_and_errors():
+    rows = [{"mode": "eager", "loss": 4.0}, {"mode": "compiled", "loss": 4.0002}]
+    assert losses_agree(rows, 1e-4) and not losses_agree(rows, 1e-5)
+    assert not losses_agree(rows + [{"mode": "baseline", "error": "boom"}], 1e-3)

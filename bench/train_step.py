@@ -1,0 +1,322 @@
+"""Train-step benchmark: tok/s, step time, peak memory, MFU, compile time and final loss per mode.
+
+A mode is `eager`, `compiled` or `baseline`, optionally followed by "+"-joined options:
+  kernels     fastpt's Triton kernels (on a CPU they dispatch to the reference: same as without)
+  autotune    torch.compile(mode="max-autotune-no-cudagraphs")
+  cudagraphs  torch.compile(mode="reduce-overhead"), i.e. CUDA graphs
+`eager` / `compiled` run fastpt's model with the pure-PyTorch ops unless +kernels is given;
+`baseline` is bench/baseline.py (plain PyTorch, the peer) under torch.compile.
+
+Every mode runs in its own process (clean allocator, compile caches in memory and peak RSS)
+on the same initial weights and the same batches, so in fp32 the final losses must agree.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from bench import baseline
+from bench.common import REPO, env_info, fmt, markdown_table, matmul_tflops, max_rss_gib, rss_gib, sync, write_json
+from fastpt.config import PRESETS, TrainConfig, model_config
+from fastpt.data import TrainLoader, Windows, data_vocab, find_shards, write_shard
+from fastpt.metrics import peak_flops
+from fastpt.model import Transformer
+from fastpt.optim import build_optimizer
+
+COMPILE_OPTIONS = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}
+# micro-batch, grad-accum per preset: 0.04b is the issue's target setting (32 x 1024, accum 2)
+BATCH = {"0.04b": (32, 2), "tiny": (8, 1)}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # bf16 rounding differs between kernels and compile
+WEIGHT_DECAY, BETAS, EPS, CLIP = 0.1, (0.9, 0.95), 1e-8, 1.0  # fastpt.train's defaults
+RANDOM_TOKENS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    impl: str  # fastpt | baseline
+    compile: bool
+    kernels: bool
+    compile_mode: str | None
+
+
+def parse_mode(name: str) -> Mode:
+    base, *options = name.split("+")
+    unknown = set(options) - {"kernels", *COMPILE_OPTIONS}
+    if base not in ("eager", "compiled", "baseline") or unknown or len(options) != len(set(options)):
+        raise ValueError(f"bad mode {name!r}: eager|compiled|baseline [+kernels] [+autotune|+cudagraphs]")
+    compile_modes = [COMPILE_OPTIONS[o] for o in options if o in COMPILE_OPTIONS]
+    if len(compile_modes) > 1 or (compile_modes and base == "eager") or (base == "baseline" and "kernels" in options):
+        raise ValueError(f"bad mode {name!r}: compile options need compiled/baseline, kernels need fastpt")
+    return Mode(name, "baseline" if base == "baseline" else "fastpt", base != "eager",
+                "kernels" in options, compile_modes[0] if compile_modes else None)
+
+
+@dataclass
+class Setup:
+    """Everything a mode's process needs to rebuild the same model, data and schedule."""
+    preset: str
+    device: str
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    dtype: str
+    data_dir: str
+    seed: int = 1337
+    lr: float = 5e-4
+
+
+@dataclass
+class Run:
+    step: Callable[[], torch.Tensor]  # one optimizer step; returns its mean loss on device
+    loader: TrainLoader
+    params: int
+    flops_per_token: float
+    tokens_per_step: int
+
+
+def train_step(loss_of, params, optimizer, loader: TrainLoader, grad_accum: int, autocast) -> torch.Tensor:
+    """One optimizer step as fastpt.train takes it: the loss accumulates on device (no host sync
+    per micro-step), then global-norm clipping and the fused AdamW step."""
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=loader.device)
+    for _ in range(grad_accum):
+        batch = loader.next()
+        torch.compiler.cudagraph_mark_step_begin()  # lets CUDA graphs reuse buffers; else a no-op
+        with autocast:
+            loss = loss_of(batch.x, batch.y)
+        (loss / grad_accum).backward()
+        total += loss.detach()
+    torch.nn.utils.clip_grad_norm_(params, CLIP)
+    optimizer.step()
+    return total / grad_accum
+
+
+def build(setup: Setup, mode: Mode) -> Run:
+    """A fresh model (same seed, so the same weights in every mode), its optimizer and loader."""
+    device = torch.device(setup.device)
+    shards = find_shards(setup.data_dir, "train")
+    kernels = ("triton" if device.type == "cuda" else "auto") if mode.kernels else "torch"
+    cfg = model_config(TrainConfig(preset=setup.preset, seq_len=setup.seq_len, kernels=kernels),
+                       data_vocab(Path(setup.data_dir), shards, False))
+    torch.manual_seed(setup.seed)
+    reference = Transformer(cfg)  # built on the CPU: identical weights on every device
+    if mode.impl == "baseline":
+        model = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
+                                                cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta))
+        model.load_llama_state(reference.state_dict())
+        model.to(device)
+        optimizer = model.configure_optimizers(WEIGHT_DECAY, setup.lr, BETAS)
+    else:
+        model = reference.to(device)
+        optimizer = build_optimizer(model, WEIGHT_DECAY, "ndim", setup.lr, BETAS, EPS)
+    net = torch.compile(model, mode=mode.compile_mode) if mode.compile else model
+    if mode.impl == "baseline":
+        loss_of = lambda x, y: net(x, y)[1]
+    else:
+        loss_of = lambda x, y: net(x, labels=y)[1]
+    loader = TrainLoader(Windows(shards, setup.seq_len), setup.micro_batch, setup.seed, device)
+    autocast = torch.autocast(device.type, dtype=DTYPES[setup.dtype], enabled=setup.dtype != "fp32")
+    params = list(model.parameters())
+    step = lambda: train_step(loss_of, params, optimizer, loader, setup.grad_accum, autocast)
+    return Run(step, loader, reference.num_params(), reference.flops_per_token(setup.seq_len),
+               setup.micro_batch * setup.seq_len * setup.grad_accum)
+
+
+def unique_graphs() -> int:
+    """Graphs dynamo has compiled in this process: must not grow after warm-up."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
+    """Warm up (compiles), then time `steps` steps with one device sync at the end, like training."""
+    device = torch.device(setup.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_before = rss_gib()
+    run = build(setup, mode)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        run.step()
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    graphs = unique_graphs()
+    run.loader.wait_s = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = run.step()
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    run.loader.close()
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else max_rss_gib() - rss_before
+    return {
+        "mode": mode.name, "tok_s": run.tokens_per_step * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
+        "peak_mem_gib": peak, "loss": loss.item(),
+        "compile_s": max(0.0, warmup_s - warmup * elapsed / steps),  # warm-up time beyond steady steps
+        "data_wait_pct": 100 * run.loader.wait_s / elapsed, "graphs_after_warmup": unique_graphs() - graphs,
+        "params": run.params, "flops_per_token": run.flops_per_token, "tokens_per_step": run.tokens_per_step,
+    }
+
+
+def measure_isolated(setup: Setup, mode: Mode, steps: int, warmup: int, timeout: float | None) -> dict:
+    """measure() in a fresh Python process; a crash or timeout becomes a row with an error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        spec = json.dumps({"setup": dataclasses.asdict(setup), "mode": mode.name, "steps": steps, "warmup": warmup})
+        try:
+            proc = subprocess.run([sys.executable, "-m", "bench.train_step", spec, str(out)], timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"mode": mode.name, "error": f"timed out after {timeout:.0f} s"}
+        if proc.returncode or not out.is_file():
+            return {"mode": mode.name, "error": f"process exited with code {proc.returncode}"}
+        return json.loads(out.read_text())
+
+
+def prepare_data(spec: str, tmp: Path, vocab: int) -> tuple[Path, str]:
+    """repo: this repository's .py files as bytes (real text, seconds to make). random: uniform
+    tokens (pure step throughput). default: fastpt's default corpus. Anything else: a shard folder."""
+    if spec == "repo":
+        from fastpt.prepare import prepare
+        files = sorted(p for d in ("fastpt", "kernels", "bench", "tests") for p in (REPO / d).rglob("*.py"))
+        meta = prepare(files, tmp / "repo", "bytes")
+        return tmp / "repo", f"repo sources ({len(files)} .py files, {meta['tokens']['train']:,} byte tokens)"
+    if spec == "random":
+        vocab = vocab or 257
+        (tmp / "random").mkdir()
+        tokens = np.random.default_rng(0).integers(0, vocab, RANDOM_TOKENS)
+        write_shard(tmp / "random" / "train_000000.bin", tokens, vocab)
+        return tmp / "random", f"random tokens (uniform over {vocab:,}, pure step throughput)"
+    if spec == "default":
+        from fastpt.prepare import default_corpus
+        return default_corpus(vocab or 4096), "default corpus (stdlib sources, BPE)"
+    return Path(spec), f"shards in {spec}"
+
+
+def losses_agree(rows: list[dict], rtol: float) -> bool:
+    """Annotate each row with its loss's relative difference to the first row's; all within rtol?"""
+    ok = [r for r in rows if "error" not in r]
+    for r in ok:
+        r["loss_rel_diff"] = abs(r["loss"] - ok[0]["loss"]) / abs(ok[0]["loss"])
+    return len(ok) == len(rows) and all(r["loss_rel_diff"] <= rtol for r in ok)
+
+
+def ratio(row: dict, rows: list[dict], name: str) -> str:
+    ref = next((r for r in rows if r["mode"] == name and "error" not in r), None)
+    return f"{row['tok_s'] / ref['tok_s']:.2f}x" if ref and "error" not in row else "–"
+
+
+def markdown(rows: list[dict], info: dict) -> str:
+    """A header line with what was measured, then one table row per mode."""
+    head = (f"train step · preset {info['preset']} ({info['params']:,} params) · {info['device_name']} · "
+            f"{info['dtype']} · {info['micro_batch']} x {info['seq_len']} x {info['grad_accum']} accum = "
+            f"{info['tokens_per_step']:,} tok/step · {info['steps']} steps after {info['warmup']} warm-up · "
+            f"data: {info['data']} · torch {info['torch']} · triton {info['triton']} · commit {info['commit']}")
+    if info["matmul_tflops"]:
+        head += f" · bf16 matmul ceiling {info['matmul_tflops']:.0f} TFLOP/s"
+    header = ["mode", "tok/s", "vs eager", "vs baseline", "step ms", "peak GiB", "MFU", "MFU vs matmul",
+              "loss", "compile s", "data wait %", "new graphs"]
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["mode"], f"error: {r['error']}"] + [""] * (len(header) - 2))
+            continue
+        table.append([r["mode"], f"{r['tok_s']:,.0f}", ratio(r, rows, "eager"), ratio(r, rows, "baseline"),
+                      f"{r['step_ms']:.1f}", f"{r['peak_mem_gib']:.2f}", fmt(r["mfu"], ".2f"),
+                      fmt(r["mfu_matmul"], ".2f"), f"{r['loss']:.5f}", f"{r['compile_s']:.1f}",
+                      f"{r['data_wait_pct']:.1f}", str(r["graphs_after_warmup"])])
+    mem = "CUDA max_memory_allocated" if info["device"] == "cuda" else "peak RSS growth of the mode's process"
+    return f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up."
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0],
+                                 epilog="python -m bench kernels --help: the kernel table")
+    ap.add_argument("--preset", choices=tuple(PRESETS), default="0.04b" if cuda else "tiny")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
+    ap.add_argument("--steps", type=int, default=20 if cuda else 10, help="timed steps per mode")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (they compile)")
+    ap.add_argument("--micro-batch", type=int, default=0, help="default: 32 for 0.04b, 8 for tiny")
+    ap.add_argument("--grad-accum", type=int, default=0, help="default: 2 for 0.04b, 1 for tiny")
+    ap.add_argument("--seq-len", type=int, default=0, help="default: the preset's")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16" if cuda else "fp32")
+    ap.add_argument("--modes", default="eager,compiled,compiled+kernels,baseline" if cuda else "eager,compiled,baseline",
+                    help="comma-separated; see the module docstring")
+    ap.add_argument("--data", default="repo", help="repo | random | default | a folder of shards")
+    ap.add_argument("--json", help="write every row (and the table) here")
+    ap.add_argument("--markdown", help="write the table here")
+    ap.add_argument("--mode-timeout", type=float, default=None, help="seconds per mode before it counts as failed")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not cuda:
+        ap.error("--device cuda but torch sees no CUDA device")
+    default_mb, default_accum = BATCH[args.preset]
+    args.micro_batch = args.micro_batch or default_mb
+    args.grad_accum = args.grad_accum or default_accum
+    args.seq_len = args.seq_len or PRESETS[args.preset].max_seq_len
+    try:
+        args.modes = [parse_mode(m) for m in args.modes.split(",")]
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def add_mfu(rows: list[dict], peak: float | None, ceiling_tflops: float | None) -> None:
+    """Model FLOPs utilization against the device's peak table and against the measured matmul."""
+    for r in rows:
+        if "error" not in r:
+            flops = r["flops_per_token"] * r["tok_s"]
+            r["mfu"] = flops / peak if peak else None
+            r["mfu_matmul"] = flops / (ceiling_tflops * 1e12) if ceiling_tflops else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every mode, print the table; non-zero when a mode fails or the losses disagree."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    env = env_info(device)
+    ceiling = matmul_tflops(device)
+    peak = peak_flops(env["device_name"]) if device.type == "cuda" else None
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir, data_desc = prepare_data(args.data, Path(tmp), PRESETS[args.preset].vocab_size)
+        setup = Setup(args.preset, args.device, args.micro_batch, args.grad_accum, args.seq_len, args.dtype,
+                      str(data_dir))
+        rows = []
+        for mode in args.modes:
+            print(f"bench: {mode.name} ...", file=sys.stderr, flush=True)
+            rows.append(measure_isolated(setup, mode, args.steps, args.warmup, args.mode_timeout))
+    add_mfu(rows, peak, ceiling)
+    info = {**env, **dataclasses.asdict(setup), "data": data_desc, "steps": args.steps, "warmup": args.warmup,
+            "matmul_tflops": ceiling, "peak_tflops": peak and peak / 1e12,
+            "params": next((r["params"] for r in rows if "params" in r), 0),
+            "tokens_per_step": args.micro_batch * args.seq_len * args.grad_accum}
+    del info["data_dir"]  # a temporary folder, gone by now
+    agree = losses_agree(rows, LOSS_RTOL[args.dtype])
+    table = markdown(rows, info)
+    print(table)
+    verdict = "losses agree" if agree else "FAILED: a mode errored or the losses disagree"
+    print(f"\n{verdict} (relative tolerance {LOSS_RTOL[args.dtype]:g} vs {rows[0]['mode']})")
+    if args.json:
+        write_json(args.json, {"kind": "train_step", "losses_agree": agree, "markdown": table,
+                               "rows": [{**info, **r} for r in rows]})
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    return 0 if agree else 1
+
+
+if __name__ == "__main__":  # the per-mode child process of measure_isolated()
+    job = json.loads(sys.argv[1])
+    row = measure(Setup(**job["setup"]), parse_mode(job["mode"]), job["steps"], job["warmup"])
+    Path(sys.argv[2]).write_text(json.dumps(row))
