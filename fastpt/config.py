@@ -226,10 +226,10 @@ def to_toml(cfg: TrainConfig) -> str:
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The preset, with the data's vocab where the preset leaves it open and the run's seq_len."""
+    """The preset, its vocab widened to the data's when the data needs more (e.g. GPT-2 ids in
+    FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len."""
     m = dataclasses.replace(PRESETS[cfg.preset], kernels=cfg.kernels)
-    if m.vocab_size == 0:
-        m.vocab_size = vocab_size
+    m.vocab_size = max(m.vocab_size, vocab_size)
     if cfg.seq_len > m.max_seq_len:
         m.max_seq_len = cfg.seq_len
     return m
