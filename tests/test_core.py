@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from conftest import TINY, read_metrics, run_train
-from fastpt.config import PRESETS, ConfigError, TrainConfig, load_toml, resolve, to_toml
+from fastpt.config import PRESETS, ConfigError, TrainConfig, load_toml, model_config, resolve, to_toml
 from fastpt.data import DataError, TrainLoader, Windows, read_shard, write_shard
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at, param_groups
@@ -186,6 +186,9 @@ def test_config_precedence_file_errors_and_round_trip(tmp_path):
     assert cfg.warmup_steps == 5  # the default 500 adapts to a 50-step run
     assert resolve({}, None, "cuda") == TrainConfig(device="cuda")  # the seed's defaults on a GPU
     assert resolve({}, None, "cpu").preset == "tiny"
+    assert model_config(TrainConfig(), 50257).vocab_size == 50257  # FineWeb's GPT-2 ids widen 0.04b
+    assert model_config(TrainConfig(), 4096).vocab_size == 32000
+    assert model_config(TrainConfig(preset="tiny", seq_len=512), 300).max_seq_len == 512
     (tmp_path / "again.toml").write_text(to_toml(cfg))
     assert TrainConfig(**load_toml(str(tmp_path / "again.toml"))) == cfg
     cfg_file.write_text("learning_rate = 1e-3\n")
