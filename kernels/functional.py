@@ -61,16 +61,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 # ------------------------------------------------------------------ loss reduction helpers
 
 def _row_scale(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    """d loss / d loss_row as a 0-dim fp32 tensor: 1/n_valid for "mean", else 1. No host sync;
-    it is inf when every row is ignored, and the kernels give ignored rows a zero gradient."""
+    """d loss / d loss_row of a counted row, 0-dim fp32, without a host sync: 1/n_counted for
+    "mean" (1 if no row counts: every gradient is 0 then), else 1."""
     if reduction == "mean":
-        return 1.0 / (target != ignore_index).sum().float()
+        return 1.0 / (target != ignore_index).sum().clamp(min=1).float()
     return torch.ones((), dtype=torch.float32, device=target.device)
 
 
-def _reduce(loss_rows: Tensor, row_scale: Tensor, reduction: str) -> Tensor:
-    # "mean" with every row ignored is 0 * inf = nan, as in F.cross_entropy.
-    return loss_rows if reduction == "none" else loss_rows.sum() * row_scale
+def _reduce(loss_rows: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss_rows
+    # "mean" over zero counted rows is 0 / 0 = nan, as in F.cross_entropy.
+    return loss_rows.sum() / (target != ignore_index).sum() if reduction == "mean" else loss_rows.sum()
 
 
 def _loss_fake(rows: Tensor, reduction: str) -> Tensor:
@@ -88,6 +90,15 @@ def _check(reduction: str, **matrices: Tensor) -> None:
 
 # ------------------------------------------------------------------------ cross-entropy
 
+def _forward_scale(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """The mean's 1/n goes into the gradient made in the forward, so that the common backward with
+    an upstream gradient of 1 has nothing to do; fp16 would underflow on (p - onehot) / n, so
+    there it waits for the backward."""
+    if logits.dtype == torch.float16:
+        return torch.ones((), dtype=torch.float32, device=logits.device)
+    return _row_scale(target, ignore_index, reduction)
+
+
 @torch.library.custom_op("fastpt::cross_entropy", mutates_args=())
 def _cross_entropy(
     logits: Tensor, target: Tensor, ignore_index: int, reduction: str, with_grad: bool
@@ -95,10 +106,10 @@ def _cross_entropy(
     """(loss, dloss/dlogits for an upstream gradient of 1, or an empty tensor without with_grad)."""
     from kernels.ops import cross_entropy as ops
 
-    scale = _row_scale(target, ignore_index, reduction)
     grad = torch.empty(logits.shape if with_grad else 0, dtype=logits.dtype, device=logits.device)
+    scale = _forward_scale(logits, target, ignore_index, reduction)
     loss_rows = ops.cross_entropy_forward(logits, target, ignore_index, grad if with_grad else None, scale)
-    return _reduce(loss_rows, scale, reduction), grad
+    return _reduce(loss_rows, target, ignore_index, reduction), grad
 
 
 @_cross_entropy.register_fake
@@ -119,16 +130,19 @@ def _(x, scale):
 
 
 def _cross_entropy_setup(ctx, inputs, output):
+    _, target, ctx.ignore_index, ctx.reduction, _ = inputs
     _, grad = output
     ctx.mark_non_differentiable(grad)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(grad)
+    ctx.save_for_backward(grad, target)
 
 
 def _cross_entropy_grad(ctx, grad_loss, _):
     # The gradient was made in the forward; scaling it in place saves an (N, V) buffer. A second
     # backward through the same graph (retain_graph) trips autograd's saved-tensor version check.
-    (grad,) = ctx.saved_tensors
+    grad, target = ctx.saved_tensors
+    if grad.dtype == torch.float16:  # the forward left the mean's 1/n out (_forward_scale)
+        grad_loss = grad_loss * _row_scale(target, ctx.ignore_index, ctx.reduction)
     _scale_rows_(grad, grad_loss)
     return grad, None, None, None, None
 
@@ -155,21 +169,22 @@ def _linear_cross_entropy(
     input: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str,
     compute_dtype: torch.dtype, with_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, dinput, dweight) for an upstream gradient of 1. The gradients are made in the
-    forward unless reduction is "none" (then they depend on per-row upstream gradients) or
+    """(loss, dinput, fp32 dweight), the gradients those of the summed loss: the mean's 1/n joins
+    the upstream gradient in the backward, so fp16 never holds (p - onehot) / n. They are made in
+    the forward unless reduction is "none" (then they depend on per-row upstream gradients) or
     with_grad is off; otherwise they come back empty."""
     from kernels.ops import linear_cross_entropy as ops
 
-    scale = _row_scale(target, ignore_index, reduction)
     early = with_grad and reduction != "none"
+    ones = torch.ones((), dtype=torch.float32, device=input.device)
     # Autocast would recast the matmuls inside, including the fp32 weight-gradient accumulator.
     with torch.autocast(input.device.type, enabled=False):
         loss_rows, dinput, dweight = ops.linear_cross_entropy_forward(
-            input, weight, target, ignore_index, compute_dtype, scale if early else None
+            input, weight, target, ignore_index, compute_dtype, ones if early else None
         )
     if not early:
-        dinput, dweight = input.new_empty(0), weight.new_empty(0)
-    return _reduce(loss_rows, scale, reduction), dinput, dweight
+        dinput, dweight = input.new_empty(0), weight.new_empty(0, dtype=torch.float32)
+    return _reduce(loss_rows, target, ignore_index, reduction), dinput, dweight
 
 
 @_linear_cross_entropy.register_fake
@@ -178,7 +193,7 @@ def _(input, weight, target, ignore_index, reduction, compute_dtype, with_grad):
     return (
         _loss_fake(input, reduction),
         torch.empty_like(input) if early else input.new_empty(0),
-        torch.empty_like(weight) if early else weight.new_empty(0),
+        weight.new_empty(weight.shape if early else 0, dtype=torch.float32),
     )
 
 
@@ -187,7 +202,7 @@ def _linear_cross_entropy_backward(
     input: Tensor, weight: Tensor, target: Tensor, grad_loss: Tensor, ignore_index: int,
     compute_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """(dinput, dweight) for per-row upstream gradients grad_loss (N,): reduction "none"."""
+    """(dinput, fp32 dweight) for per-row upstream gradients grad_loss (N,): reduction "none"."""
     from kernels.ops import linear_cross_entropy as ops
 
     with torch.autocast(input.device.type, enabled=False):
@@ -199,7 +214,7 @@ def _linear_cross_entropy_backward(
 
 @_linear_cross_entropy_backward.register_fake
 def _(input, weight, target, grad_loss, ignore_index, compute_dtype):
-    return torch.empty_like(input), torch.empty_like(weight)
+    return torch.empty_like(input), torch.empty_like(weight, dtype=torch.float32)
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
@@ -217,8 +232,9 @@ def _linear_cross_entropy_grad(ctx, grad_loss, _, __):
             input, weight, target, grad_loss, ctx.ignore_index, ctx.compute_dtype
         )
     else:
-        dinput, dweight = dinput * grad_loss, dweight * grad_loss
-    return dinput, dweight, None, None, None, None, None
+        scale = grad_loss * _row_scale(target, ctx.ignore_index, ctx.reduction)
+        dinput, dweight = dinput * scale, dweight * scale
+    return dinput, dweight.to(weight.dtype), None, None, None, None, None
 
 
 _linear_cross_entropy.register_autograd(_linear_cross_entropy_grad, setup_context=_linear_cross_entropy_setup)

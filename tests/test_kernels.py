@@ -92,8 +92,8 @@ def _check_op(op: str, inputs: list[torch.Tensor], args: tuple, backend: str, rt
         _assert_close(t.grad, r.grad, rtol)
 
 
-def _bf16_case(op: str, device: str, rows: int, vocab: int) -> tuple[list[torch.Tensor], tuple]:
-    randn = lambda *shape: torch.randn(shape, device=device, dtype=torch.bfloat16)  # noqa: E731
+def _half_case(op: str, dtype: torch.dtype, device: str, rows: int, vocab: int) -> tuple[list[torch.Tensor], tuple]:
+    randn = lambda *shape: torch.randn(shape, device=device, dtype=dtype)  # noqa: E731
     if op == "rms_norm":
         return [randn(rows, 512), 1 + 0.1 * randn(512)], (1e-6,)
     target = _targets(rows, vocab, 0.1, device)
@@ -155,9 +155,10 @@ def test_all_targets_ignored(ops, op, reduction):
 
 @interpreted
 @pytest.mark.parametrize("op", ["rms_norm", "cross_entropy", "linear_cross_entropy"])
-def test_bf16_interpreted(ops, op):
-    """The bf16 loads, stores and casts (none of these kernels uses the interpreter's broken bf16 tl.dot)."""
-    inputs, args = _bf16_case(op, "cpu", 37, 4099)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(ops, op, dtype):
+    """16-bit loads, stores and casts (none of these kernels uses the interpreter's broken bf16 tl.dot)."""
+    inputs, args = _half_case(op, dtype, "cpu", 37, 4099)
     _check_op(op, inputs, args, "triton", 1e-2)
 
 
@@ -275,7 +276,7 @@ def test_tiny_model_trains_like_reference(ops):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["rms_norm", "cross_entropy", "linear_cross_entropy"])
 def test_bf16_cuda(op):
-    inputs, args = _bf16_case(op, "cuda", 4096, 32000)
+    inputs, args = _half_case(op, torch.bfloat16, "cuda", 4096, 32000)
     _check_op(op, inputs, args, "auto", 1e-2)
 
 

@@ -54,7 +54,7 @@ def linear_cross_entropy_forward(
     """Per-row fp32 losses of (input @ weight.T) against target, input (N, D), weight (V, D).
 
     With grad_scale (0-dim or (N,)), also returns d(sum_i grad_scale[i] * loss_i) with respect to
-    input and weight, in their dtypes; otherwise (loss, None, None). Matmuls run in compute_dtype.
+    input (in its dtype) and weight (in fp32); otherwise (loss, None, None). Matmuls run in compute_dtype.
     """
     n_rows = input.shape[0]
     w = weight.to(compute_dtype).contiguous()
@@ -77,4 +77,4 @@ def linear_cross_entropy_forward(
         _accumulate_mm(dweight, logits.T, x)
     if grad_scale is None:
         return loss, None, None
-    return loss, dinput, dweight.to(weight.dtype)
+    return loss, dinput, dweight
