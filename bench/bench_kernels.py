@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import sync
+from bench.common import cpu_threads, sync
 from bench.suite import median_s, needs_cuda, record
 from bench.kernel_table import SHAPES, extra_gib, fwd_bwd, make_inputs, providers
 
@@ -24,7 +24,8 @@ def bench_kernel(benchmark, op: str, provider: str, device: torch.device, dtype:
         fwd_bwd(fn, args)
         sync(device)
 
-    benchmark.pedantic(call, rounds=rounds, warmup_rounds=3, iterations=1)
+    with cpu_threads(1 if device.type == "cpu" else 0):  # as the train-step suite: steady on a shared CPU
+        benchmark.pedantic(call, rounds=rounds, warmup_rounds=3, iterations=1)
     median = median_s(benchmark)
     record(benchmark, device, op=op, provider=provider, shape=list(shape), dtype=str(dtype),
            ms=1e3 * median if median else None, extra_gib=extra_gib(call, device))

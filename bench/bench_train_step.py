@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import max_rss_gib, sync
+from bench.common import cpu_threads, max_rss_gib, sync
 from bench.suite import median_s, needs_cuda, record
 from bench.train_step import BATCH, Setup, build, parse_mode
 from fastpt.config import PRESETS
@@ -15,6 +15,11 @@ from fastpt.config import PRESETS
 
 def bench_step(benchmark, setup: Setup, mode_name: str, rounds: int) -> None:
     device = torch.device(setup.device)
+    with cpu_threads(setup.threads):
+        run_rounds(benchmark, setup, mode_name, rounds, device)
+
+
+def run_rounds(benchmark, setup: Setup, mode_name: str, rounds: int, device: torch.device) -> None:
     torch._dynamo.reset()  # a fresh compile: earlier tests' models must not count against its cache
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -39,7 +44,9 @@ def bench_step(benchmark, setup: Setup, mode_name: str, rounds: int) -> None:
 
 def setup_for(preset: str, device: str, dtype: str, data) -> Setup:
     micro_batch, grad_accum = BATCH[preset]
-    return Setup(preset, device, micro_batch, grad_accum, PRESETS[preset].max_seq_len, dtype, str(data))
+    # one CPU thread: steadier on a shared machine, and the same as the CI table
+    return Setup(preset, device, micro_batch, grad_accum, PRESETS[preset].max_seq_len, dtype, str(data),
+                 threads=1 if device == "cpu" else 0)
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

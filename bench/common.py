@@ -1,6 +1,7 @@
 """What every benchmark records and prints: environment, device sync, memory, markdown."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -52,6 +53,18 @@ def sync(device: torch.device) -> None:
     """Wait for queued device work, so a host timer measures it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int):
+    """torch's intra-op CPU threads set to n inside the block (0 = leave them alone)."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def rss_gib() -> float:

@@ -35,38 +35,33 @@ IGNORED = 0.05  # fraction of targets set to ignore_index, as in real padded bat
 
 
 def make_inputs(op: str, shape: tuple, device: torch.device, dtype: torch.dtype, seed: int = 0) -> list:
-    """The op's arguments; floating tensors are leaves that require grad."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=g) * scale).to(device, dtype).requires_grad_()
+    """The op's arguments, drawn on the device; floating tensors are leaves that require grad."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    randn = lambda *size: torch.randn(*size, generator=g, device=device)
     if op == "rms_norm":
         n, d = shape
-        return [rand(n, d), rand(d, scale=0.1).detach().add_(1).requires_grad_()]
-    n, v = shape[0], shape[-1]
-    target = torch.randint(0, v, (n,), generator=g)
-    target[torch.rand(n, generator=g) < IGNORED] = -100
-    target = target.to(device)
-    if op == "cross_entropy":
-        return [rand(n, v, scale=2.0), target]
-    return [rand(n, shape[1]), rand(v, shape[1], scale=0.02), target]
+        args = [randn(n, d), 1 + 0.1 * randn(d)]
+    else:
+        n, v = shape[0], shape[-1]
+        target = torch.randint(0, v, (n,), generator=g, device=device)
+        target[torch.rand(n, generator=g, device=device) < IGNORED] = -100
+        args = [2 * randn(n, v), target] if op == "cross_entropy" else [randn(n, shape[1]), 0.02 * randn(v, shape[1]), target]
+    return [a.to(dtype).requires_grad_() if a.is_floating_point() else a for a in args]
 
 
 def liger_providers(op: str) -> dict[str, Callable]:
     """Liger's kernels when the package is installed (none otherwise)."""
     try:
-        from liger_kernel.transformers import (LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss,
-                                               LigerRMSNorm)
+        from liger_kernel.transformers import LigerCrossEntropyLoss, LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.transformers.functional import liger_rms_norm
     except ImportError:
         return {}
     if op == "rms_norm":
-        def liger_rms_norm(x, w):  # the module owns its weight: share ours so gradients land on it
-            norm = LigerRMSNorm(w.shape[0], eps=EPS)
-            norm.weight = w
-            return norm(x)
-        return {"liger": liger_rms_norm}
+        return {"liger": lambda x, w: liger_rms_norm(x, w, EPS)}
     if op == "cross_entropy":
         return {"liger": LigerCrossEntropyLoss()}
     flce = LigerFusedLinearCrossEntropyLoss()
-    return {"liger": lambda x, w, t: flce(w, x, t)}
+    return {"liger": lambda x, w, t: flce(w, x, t)}  # Liger takes the weight first
 
 
 def reference_fn(op: str) -> Callable:

@@ -21,7 +21,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_train_step_cli_rows_and_agreeing_losses(tmp_path):
     out = tmp_path / "rows.json"
-    proc = run_bench("--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+    proc = run_bench("--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--threads", "1",
                      "--modes", "eager,compiled", "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())

@@ -39,7 +39,7 @@ COMPILE_OPTIONS = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "redu
 BATCH = {"0.04b": (32, 2), "tiny": (8, 1)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # bf16 rounding differs between kernels and compile
-WEIGHT_DECAY, BETAS, EPS, CLIP = 0.1, (0.9, 0.95), 1e-8, 1.0  # fastpt.train's defaults
+TRAIN = TrainConfig()  # fastpt.train's optimizer defaults, used by every mode
 RANDOM_TOKENS = 1 << 22
 
 
@@ -75,7 +75,8 @@ class Setup:
     dtype: str
     data_dir: str
     seed: int = 1337
-    lr: float = 5e-4
+    lr: float = TRAIN.lr
+    threads: int = 0  # CPU threads; 0 = torch's default
 
 
 @dataclass
@@ -99,7 +100,7 @@ def train_step(loss_of, params, optimizer, loader: TrainLoader, grad_accum: int,
             loss = loss_of(batch.x, batch.y)
         (loss / grad_accum).backward()
         total += loss.detach()
-    torch.nn.utils.clip_grad_norm_(params, CLIP)
+    torch.nn.utils.clip_grad_norm_(params, TRAIN.max_grad_norm)
     optimizer.step()
     return total / grad_accum
 
@@ -108,20 +109,21 @@ def build(setup: Setup, mode: Mode) -> Run:
     """A fresh model (same seed, so the same weights in every mode), its optimizer and loader."""
     device = torch.device(setup.device)
     shards = find_shards(setup.data_dir, "train")
-    kernels = ("triton" if device.type == "cuda" else "auto") if mode.kernels else "torch"
-    cfg = model_config(TrainConfig(preset=setup.preset, seq_len=setup.seq_len, kernels=kernels),
+    backend = ("triton" if device.type == "cuda" else "auto") if mode.kernels else "torch"
+    cfg = model_config(TrainConfig(preset=setup.preset, seq_len=setup.seq_len, kernels=backend),
                        data_vocab(Path(setup.data_dir), shards, False))
     torch.manual_seed(setup.seed)
-    reference = Transformer(cfg)  # built on the CPU: identical weights on every device
+    fastpt_model = Transformer(cfg)  # built on the CPU: identical weights on every device
+    betas = (TRAIN.beta1, TRAIN.beta2)
     if mode.impl == "baseline":
         model = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
                                                 cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta))
-        model.load_llama_state(reference.state_dict())
+        model.load_llama_state(fastpt_model.state_dict())
         model.to(device)
-        optimizer = model.configure_optimizers(WEIGHT_DECAY, setup.lr, BETAS)
+        optimizer = model.configure_optimizers(TRAIN.weight_decay, setup.lr, betas)
     else:
-        model = reference.to(device)
-        optimizer = build_optimizer(model, WEIGHT_DECAY, "ndim", setup.lr, BETAS, EPS)
+        model = fastpt_model.to(device)
+        optimizer = build_optimizer(model, TRAIN.weight_decay, "ndim", setup.lr, betas, TRAIN.eps)  # = nanoGPT groups
     net = torch.compile(model, mode=mode.compile_mode) if mode.compile else model
     if mode.impl == "baseline":
         loss_of = lambda x, y: net(x, y)[1]
@@ -131,7 +133,7 @@ def build(setup: Setup, mode: Mode) -> Run:
     autocast = torch.autocast(device.type, dtype=DTYPES[setup.dtype], enabled=setup.dtype != "fp32")
     params = list(model.parameters())
     step = lambda: train_step(loss_of, params, optimizer, loader, setup.grad_accum, autocast)
-    return Run(step, loader, reference.num_params(), reference.flops_per_token(setup.seq_len),
+    return Run(step, loader, fastpt_model.num_params(), fastpt_model.flops_per_token(setup.seq_len),
                setup.micro_batch * setup.seq_len * setup.grad_accum)
 
 
@@ -144,6 +146,8 @@ def unique_graphs() -> int:
 def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
     """Warm up (compiles), then time `steps` steps with one device sync at the end, like training."""
     device = torch.device(setup.device)
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rss_before = rss_gib()
@@ -168,6 +172,7 @@ def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
         "compile_s": max(0.0, warmup_s - warmup * elapsed / steps),  # warm-up time beyond steady steps
         "data_wait_pct": 100 * run.loader.wait_s / elapsed, "graphs_after_warmup": unique_graphs() - graphs,
         "params": run.params, "flops_per_token": run.flops_per_token, "tokens_per_step": run.tokens_per_step,
+        "cpu_threads": torch.get_num_threads(),
     }
 
 
@@ -220,7 +225,8 @@ def ratio(row: dict, rows: list[dict], name: str) -> str:
 
 def markdown(rows: list[dict], info: dict) -> str:
     """A header line with what was measured, then one table row per mode."""
-    head = (f"train step · preset {info['preset']} ({info['params']:,} params) · {info['device_name']} · "
+    device = info["device_name"] + (f", threads {info['cpu_threads']}" if info["device"] == "cpu" else "")
+    head = (f"train step · preset {info['preset']} ({info['params']:,} params) · {device} · "
             f"{info['dtype']} · {info['micro_batch']} x {info['seq_len']} x {info['grad_accum']} accum = "
             f"{info['tokens_per_step']:,} tok/step · {info['steps']} steps after {info['warmup']} warm-up · "
             f"data: {info['data']} · torch {info['torch']} · triton {info['triton']} · commit {info['commit']}")
@@ -242,32 +248,40 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags; defaults follow the device: 0.04b in bf16 on CUDA, tiny in fp32 on a CPU."""
     cuda = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="python -m bench kernels --help: the kernel table")
-    ap.add_argument("--preset", choices=tuple(PRESETS), default="0.04b" if cuda else "tiny")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
-    ap.add_argument("--steps", type=int, default=20 if cuda else 10, help="timed steps per mode")
+    ap.add_argument("--preset", choices=tuple(PRESETS), help="default: 0.04b on CUDA, tiny on CPU")
+    ap.add_argument("--steps", type=int, help="timed steps per mode (default: 20 on CUDA, 10 on CPU)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (they compile)")
-    ap.add_argument("--micro-batch", type=int, default=0, help="default: 32 for 0.04b, 8 for tiny")
-    ap.add_argument("--grad-accum", type=int, default=0, help="default: 2 for 0.04b, 1 for tiny")
-    ap.add_argument("--seq-len", type=int, default=0, help="default: the preset's")
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default="bf16" if cuda else "fp32")
-    ap.add_argument("--modes", default="eager,compiled,compiled+kernels,baseline" if cuda else "eager,compiled,baseline",
-                    help="comma-separated; see the module docstring")
+    ap.add_argument("--micro-batch", type=int, help="default: 32 for 0.04b, 8 for tiny")
+    ap.add_argument("--grad-accum", type=int, help="default: 2 for 0.04b, 1 for tiny")
+    ap.add_argument("--seq-len", type=int, help="default: the preset's")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--modes", help="comma-separated modes, see above (default: eager,compiled,"
+                                    "compiled+kernels,baseline on CUDA, eager,compiled,baseline on CPU)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="CPU threads per mode (default: torch's); 1 steadies a busy shared machine")
     ap.add_argument("--data", default="repo", help="repo | random | default | a folder of shards")
     ap.add_argument("--json", help="write every row (and the table) here")
     ap.add_argument("--markdown", help="write the table here")
-    ap.add_argument("--mode-timeout", type=float, default=None, help="seconds per mode before it counts as failed")
+    ap.add_argument("--mode-timeout", type=float, help="seconds per mode before it counts as failed")
     args = ap.parse_args(argv)
-    if args.device == "cuda" and not cuda:
+    gpu = args.device == "cuda"
+    if gpu and not cuda:
         ap.error("--device cuda but torch sees no CUDA device")
-    default_mb, default_accum = BATCH[args.preset]
-    args.micro_batch = args.micro_batch or default_mb
-    args.grad_accum = args.grad_accum or default_accum
+    args.preset = args.preset or ("0.04b" if gpu else "tiny")
+    args.steps = args.steps or (20 if gpu else 10)
+    args.dtype = args.dtype or ("bf16" if gpu else "fp32")
+    args.micro_batch = args.micro_batch or BATCH[args.preset][0]
+    args.grad_accum = args.grad_accum or BATCH[args.preset][1]
     args.seq_len = args.seq_len or PRESETS[args.preset].max_seq_len
+    modes = args.modes or ("eager,compiled,compiled+kernels,baseline" if gpu else "eager,compiled,baseline")
     try:
-        args.modes = [parse_mode(m) for m in args.modes.split(",")]
+        args.modes = [parse_mode(m) for m in modes.split(",")]
     except ValueError as e:
         ap.error(str(e))
     return args
@@ -292,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir, data_desc = prepare_data(args.data, Path(tmp), PRESETS[args.preset].vocab_size)
         setup = Setup(args.preset, args.device, args.micro_batch, args.grad_accum, args.seq_len, args.dtype,
-                      str(data_dir))
+                      str(data_dir), threads=args.threads)
         rows = []
         for mode in args.modes:
             print(f"bench: {mode.name} ...", file=sys.stderr, flush=True)
@@ -301,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {**env, **dataclasses.asdict(setup), "data": data_desc, "steps": args.steps, "warmup": args.warmup,
             "matmul_tflops": ceiling, "peak_tflops": peak and peak / 1e12,
             "params": next((r["params"] for r in rows if "params" in r), 0),
+            "cpu_threads": next((r["cpu_threads"] for r in rows if "cpu_threads" in r), env["cpu_threads"]),
             "tokens_per_step": args.micro_batch * args.seq_len * args.grad_accum}
     del info["data_dir"]  # a temporary folder, gone by now
     agree = losses_agree(rows, LOSS_RTOL[args.dtype])
