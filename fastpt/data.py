@@ -1,6 +1,7 @@
 """Token shards (llm.c / modded-nanogpt format) and a deterministic, resumable loader."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import queue
@@ -136,6 +137,7 @@ class TrainLoader:
         self.wait_s = 0.0  # time spent blocked on the prefetch queue, for data-wait %
         self._perms: dict[int, np.ndarray] = {}
         self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def _indices(self, micro_step: int) -> np.ndarray:
@@ -155,35 +157,46 @@ class TrainLoader:
         return self._perms[epoch]
 
     def _produce(self, start: int, q: queue.Queue, stop: threading.Event) -> None:
+        """Build batches in order from micro-step `start`; contiguous (and pinned for CUDA) here,
+        off the training thread, so the step only issues two non-blocking copies."""
         pin = self.device.type == "cuda"
         step = start
         while not stop.is_set():
             w = self.windows.gather(self._indices(step))  # (B, T+1)
-            q.put(w.pin_memory() if pin else w)
+            x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
+            item = (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
             step += 1
 
     def _start(self) -> None:
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
-        threading.Thread(target=self._produce, args=(self.position, self._queue, self._stop),
-                         daemon=True).start()
+        self._thread = threading.Thread(target=self._produce, args=(self.position, self._queue, self._stop),
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # also on an exception that skips the trainer's close()
 
     def close(self) -> None:
+        """Stop and join the producer: a thread still inside torch at interpreter exit aborts it."""
         self._stop.set()
-        if self._queue is not None:  # unblock a producer waiting on a full queue
-            while not self._queue.empty():
-                self._queue.get_nowait()
-        self._queue = None
+        atexit.unregister(self.close)
+        if self._thread is not None:
+            self._thread.join()
+        self._queue = self._thread = None
 
     def next(self) -> Batch:
         if self._queue is None:
             self._start()
         t0 = time.perf_counter()
-        w = self._queue.get()
+        x, y = self._queue.get()
         self.wait_s += time.perf_counter() - t0
         self.position += 1
-        w = w.to(self.device, non_blocking=True)
-        return Batch(w[:, :-1], w[:, 1:])
+        return Batch(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
 
     @property
     def epoch(self) -> int:
