@@ -130,8 +130,8 @@ HELP: dict[str, str] = {
 # On a CPU the zero-config run must finish in minutes: these replace the defaults there
 # (a TOML file or flag still wins).
 CPU_PROFILE: dict[str, Any] = dict(
-    preset="tiny", max_steps=300, warmup_steps=30, micro_batch=16, grad_accum=1,
-    seq_len=128, lr=2e-3, dtype="fp32", eval_every=100, eval_tokens=32768, ckpt_every=100,
+    preset="tiny", max_steps=1000, warmup_steps=50, micro_batch=16, grad_accum=1,
+    seq_len=128, lr=2e-3, dtype="fp32", eval_every=250, eval_tokens=32768, ckpt_every=250,
     log_every=10, out="runs/cpu",
 )
 
