@@ -199,6 +199,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         set_rng_state(ckpt["rng"])
         step, tokens_seen, best_val = ckpt["step"], ckpt["tokens_seen"], ckpt["best_val_loss"]
         log(f"resumed from {path} at step {step}")
+        if step >= cfg.max_steps:
+            log(f"nothing to do: the run is already at step {step} of max_steps {cfg.max_steps}")
     elif cfg.resume:
         log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
     elif path := checkpoint.latest(run_dir):  # a fresh run would mix its checkpoints with the old ones
@@ -250,8 +252,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     running_loss = torch.zeros((), device=device)
     window_steps, window_tokens = 0, 0
     loader.wait_s = 0.0
-    window_start = run_start = time.perf_counter()
-    start_step = step
+    window_start = time.perf_counter()
     exit_code = 0
     while step < cfg.max_steps:
         lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
@@ -310,7 +311,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             elapsed = time.perf_counter() - window_start
             tok_s = window_tokens / elapsed
             mem = peak_mem_gib(device)
-            eta = (cfg.max_steps - step) * (time.perf_counter() - run_start) / (step - start_step)
+            eta = (cfg.max_steps - step) * elapsed / window_steps  # at the latest pace: compile time is behind us
             record = {
                 "step": step, "loss": avg_loss, "ppl": math.exp(min(avg_loss, 20.0)), "lr": lr,
                 "grad_norm": float(grad_norm), "tok_s": tok_s, "tok_s_per_gpu": tok_s / d.world_size,
