@@ -20,9 +20,11 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return ops.rms_norm_forward(x, weight, eps)
 
 
+# The kernels write y, rstd and dx contiguous whatever x's strides: the fakes must say the same
+# (empty_like would keep a transposed x's strides, and compiled code would misread the output).
 @_rms_norm.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("fastpt::rms_norm_backward", mutates_args=())
@@ -34,7 +36,7 @@ def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> t
 
 @_rms_norm_backward.register_fake
 def _(dy, x, weight, rstd):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _rms_norm_setup(ctx, inputs, output):

@@ -118,6 +118,17 @@ def test_rms_norm_strided_rows(ops):
 
 
 @interpreted
+def test_rms_norm_fakes_match_the_kernels_on_transposed_input(ops):
+    """Compiled code lays out the outputs as the fake kernels say: they must match the real ones
+    (contiguous) also for a transposed x, whose strides empty_like would copy."""
+    x, w = torch.randn(64, 48).t(), 1 + 0.1 * torch.randn(64)
+    _, rstd = torch.ops.fastpt.rms_norm(x, w, 1e-6)
+    torch.library.opcheck(torch.ops.fastpt.rms_norm.default, (x.requires_grad_(), w.requires_grad_(), 1e-6))
+    torch.library.opcheck(torch.ops.fastpt.rms_norm_backward.default,
+                          (torch.randn(64, 48).t(), x.detach(), w.detach(), rstd))
+
+
+@interpreted
 @pytest.mark.parametrize("rows, vocab, reduction, upstream_one", [
     (1, 50257, "mean", True),
     (5, 50257, "none", False),
