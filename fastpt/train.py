@@ -102,11 +102,13 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Generators take their state as CPU byte tensors only; a checkpoint loaded onto the GPU
+    (map_location=device) brings these back as CUDA tensors."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def rewind_metrics(path: Path, step: int) -> None:

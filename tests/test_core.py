@@ -240,6 +240,22 @@ def test_checkpoint_resume_continues_at_the_right_step(tiny_data, tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_run_with_kernels_resumes(tiny_data, tmp_path):
+    """The loop's CUDA path (bf16 autocast, Triton kernels, pinned batches, eval) and a resume from
+    a checkpoint loaded onto the GPU (its RNG state comes back as CUDA tensors)."""
+    common = ("--device", "cuda", "--preset", "tiny", "--dtype", "bf16", "--kernels", "triton", "--seq-len", "32",
+              "--micro-batch", "4", "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1")
+    first = run_train(*common, "--max-steps", "2")
+    assert first.returncode == 0, first.stderr
+    resumed = run_train(*common, "--max-steps", "3", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 2" in resumed.stdout
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in records)
+
+
 @pytest.mark.slow
 def test_eager_and_compiled_losses_agree(tiny_data, tmp_path):
     common = (*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "100")
