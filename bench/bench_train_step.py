@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.common import cpu_threads, max_rss_gib, sync
+from bench.common import cpu_threads, sync
 from bench.suite import median_s, needs_cuda, record
 from bench.train_step import BATCH, Setup, build, parse_mode
 from fastpt.config import PRESETS
+from fastpt.metrics import peak_mem_gib
 
 
 def bench_step(benchmark, setup: Setup, mode_name: str, rounds: int) -> None:
@@ -33,7 +34,7 @@ def run_rounds(benchmark, setup: Setup, mode_name: str, rounds: int, device: tor
     loss = benchmark.pedantic(step, rounds=rounds, warmup_rounds=2, iterations=1)
     run.loader.close()
     median = median_s(benchmark)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else max_rss_gib()
+    peak = peak_mem_gib(device)
     record(benchmark, device, mode=mode_name, preset=setup.preset, dtype=setup.dtype,
            shape=[setup.micro_batch, setup.seq_len, setup.grad_accum], loss=loss.item(),
            tok_s=run.tokens_per_step / median if median else None,

@@ -6,7 +6,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 from pathlib import Path
 
@@ -74,11 +73,6 @@ def rss_gib() -> float:
     except OSError:
         return 0.0
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-def max_rss_gib() -> float:
-    """This process's peak resident set so far (ru_maxrss is KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
