@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, TINY, read_metrics, run_train
 from fastpt import checkpoint
-from fastpt.data import HEADER_BYTES, write_shard
+from fastpt.data import write_shard
 from fastpt.train import main
 
 FAULTY_TRAIN = r"""
