@@ -252,8 +252,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
     skips = consecutive_skips = 0
     running_loss = torch.zeros((), device=device)
-    window_steps, window_tokens = 0, 0
-    loader.wait_s = 0.0
+    window_steps = 0  # updates applied since the last dashboard line
     window_start = time.perf_counter()
     exit_code = 0
     while step < cfg.max_steps:
@@ -292,7 +291,6 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             tokens_seen += tokens_per_step
             running_loss += accum_loss
             window_steps += 1
-            window_tokens += tokens_per_step
         scaler.update()
 
         is_last = step == cfg.max_steps
@@ -311,7 +309,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         if log_now and window_steps:  # in skip mode a window may hold no update at all
             avg_loss = (running_loss / window_steps).item()
             elapsed = time.perf_counter() - window_start
-            tok_s = window_tokens / elapsed
+            tok_s = window_steps * tokens_per_step / elapsed
             mem = peak_mem_gib(device)
             eta = (cfg.max_steps - step) * elapsed / window_steps  # at the latest pace: compile time is behind us
             record = {
@@ -328,16 +326,17 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             if metrics:
                 metrics.log(record)
             running_loss.zero_()
-            window_steps = window_tokens = 0
+            window_steps = 0
             loader.wait_s = 0.0
             window_start = time.perf_counter()
 
         if eval_now:
             val_loss = evaluate(model, val_windows, cfg, device, autocast, d)
             best_val = min(best_val, val_loss)
-            log(f"Step {step:5d}/{cfg.max_steps} | val loss {val_loss:.4f} | val PPL {math.exp(min(val_loss, 20)):.2f}")
+            val_ppl = math.exp(min(val_loss, 20.0))
+            log(f"Step {step:5d}/{cfg.max_steps} | val loss {val_loss:.4f} | val PPL {val_ppl:.2f}")
             if metrics:
-                metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 20.0))})
+                metrics.log({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
 
         if ckpt_now and not save_checkpoint() and (is_last or preempted):
             exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
