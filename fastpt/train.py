@@ -330,6 +330,9 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             loader.wait_s = 0.0
             window_start = time.perf_counter()
 
+        # Evals and checkpoints are not training: their wall time (the first eval's compile too) is
+        # kept out of the window's tok/s and ETA. On a GPU a non-log step may still be in flight here.
+        paused = time.perf_counter()
         if eval_now:
             val_loss = evaluate(model, val_windows, cfg, device, autocast, d)
             best_val = min(best_val, val_loss)
@@ -343,6 +346,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         if preempted:
             log(f"preempted: stopped after step {step}; continue with --resume")
             break
+        window_start += time.perf_counter() - paused
     loader.close()
     if metrics:
         metrics.close()
