@@ -14,7 +14,7 @@
 # summary.md. Files written (at most 8, flat): summary.md, log.txt, train.json, kernels.json,
 # suites.json, sweep.json. FASTPT_COMMIT names the commit where the tree has no .git.
 set -uo pipefail
-out=$(mkdir -p "${1:-${OUT:?give an output folder as \$1 or set \$OUT}}" && cd "${1:-$OUT}" && pwd)
+out=$(mkdir -p "${1:-${OUT:?give an output folder as \$1 or set \$OUT}}" && cd "${1:-$OUT}" && pwd) || exit 2
 sections=",${2:-train,kernels,tests,suites,sweep},"
 cd "$(dirname "$0")/.."
 py=$(command -v python3 || command -v python)
