@@ -158,19 +158,25 @@ class TrainLoader:
 
     def _produce(self, start: int, q: queue.Queue, stop: threading.Event) -> None:
         """Build batches in order from micro-step `start`; contiguous (and pinned for CUDA) here,
-        off the training thread, so the step only issues two non-blocking copies."""
+        off the training thread, so the step only issues two non-blocking copies. An error is
+        queued too: the training thread raises it instead of waiting forever."""
         pin = self.device.type == "cuda"
         step = start
         while not stop.is_set():
-            w = self.windows.gather(self._indices(step))  # (B, T+1)
-            x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
-            item = (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+            try:
+                w = self.windows.gather(self._indices(step))  # (B, T+1)
+                x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
+                item = (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+            except Exception as e:
+                item = e
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     pass
+            if isinstance(item, Exception):
+                return
             step += 1
 
     def _start(self) -> None:
@@ -193,8 +199,11 @@ class TrainLoader:
         if self._queue is None:
             self._start()
         t0 = time.perf_counter()
-        x, y = self._queue.get()
+        item = self._queue.get()
         self.wait_s += time.perf_counter() - t0
+        if isinstance(item, Exception):
+            raise item
+        x, y = item
         self.position += 1
         return Batch(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
 

@@ -178,6 +178,25 @@ def test_loader_state_round_trip_and_split_invariance(tmp_path):
     assert torch.equal(interleaved, torch.cat(reference[:10]))
 
 
+def test_loader_raises_the_producer_error_instead_of_waiting(tmp_path, monkeypatch):
+    windows = make_windows(tmp_path)
+    gather = windows.gather
+    calls = []
+
+    def failing_gather(indices):
+        calls.append(indices)
+        if len(calls) == 3:
+            raise OSError("Input/output error")
+        return gather(indices)
+
+    monkeypatch.setattr(windows, "gather", failing_gather)
+    loader = TrainLoader(windows, 4, seed=0, device=torch.device("cpu"))
+    take(loader, 2)
+    with pytest.raises(OSError, match="Input/output error"):
+        loader.next()
+    loader.close()
+
+
 def test_config_precedence_file_errors_and_round_trip(tmp_path):
     cfg_file = tmp_path / "run.toml"
     cfg_file.write_text('lr = 1e-3\nmax_steps = 50\npreset = "tiny"\n')
