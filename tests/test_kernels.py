@@ -19,7 +19,7 @@ import torch
 import kernels
 from kernels import reference
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+INTERPRETING = kernels._interpret()  # TRITON_INTERPRET as the ops read it
 interpreted = pytest.mark.skipif(not INTERPRETING, reason="runs in test_interpreted_suite's child pytest")
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING, reason="needs CUDA, no interpreter")
 KERNELS = {
