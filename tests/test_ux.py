@@ -81,6 +81,15 @@ def test_kv_cache_generation_equals_full_recompute(run_dir):
     assert sample.generate(model, prompt, 30, temperature=1.0, top_k=1) == cached  # top-1 is greedy
 
 
+def test_a_checkpoint_trained_with_triton_kernels_samples_on_cpu(run_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ckpt = checkpoint.load(checkpoint.latest(run_dir))
+    ckpt["model_config"]["kernels"] = "triton"  # as saved by a GPU run with --kernels triton
+    torch.save(ckpt, tmp_path / "ckpt_00000005.pt")
+    model = sample.load_model(tmp_path / "ckpt_00000005.pt", torch.device("cpu"))[0]
+    assert len(sample.generate(model, [256], 3, temperature=0)) == 4
+
+
 def test_generation_continues_past_the_context_window():
     model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=50, max_seq_len=16)).eval()
     torch.manual_seed(0)
