@@ -154,6 +154,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     """Run the training loop; returns the process exit code."""
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
     check_dtype(cfg.dtype, device)
+    if device.type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     run_dir = Path(cfg.out)
     log = print if d.is_main else (lambda *a, **k: None)
 
