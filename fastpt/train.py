@@ -164,8 +164,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     if data_dir is None:
         from fastpt.prepare import default_corpus
         vocab_hint = model_config(cfg, 0).vocab_size or 4096
-        if d.is_main:
-            data_dir = default_corpus(vocab_hint)
+        if d.is_main:  # prepared once, by rank 0; the others wait, then find it complete
+            default_corpus(vocab_hint)
         distributed.barrier(d)
         data_dir = default_corpus(vocab_hint)
     headerless = cfg.data_format == "nanogpt"
