@@ -110,10 +110,10 @@ def build(setup: Setup, mode: Mode) -> Run:
     device = torch.device(setup.device)
     shards = find_shards(setup.data_dir, "train")
     backend = ("triton" if device.type == "cuda" else "auto") if mode.kernels else "torch"
-    cfg = model_config(TrainConfig(preset=setup.preset, seq_len=setup.seq_len, kernels=backend),
+    cfg = model_config(TrainConfig(preset=setup.preset, seq_len=setup.seq_len),
                        data_vocab(Path(setup.data_dir), shards, False))
     torch.manual_seed(setup.seed)
-    fastpt_model = Transformer(cfg)  # built on the CPU: identical weights on every device
+    fastpt_model = Transformer(cfg, backend)  # built on the CPU: identical weights on every device
     betas = (TRAIN.beta1, TRAIN.beta2)
     if mode.impl == "baseline":
         model = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,

@@ -1,28 +1,32 @@
-"""Configs as dataclasses, with every default in one place.
+"""Configs as dataclasses, with every default, help line, choice and valid range in one place.
 
-Resolution order for a run: TrainConfig defaults < device profile (CPU only) < TOML file < CLI.
+Resolution order for a run: TrainConfig defaults < the preset's batch < device profile (CPU
+only) < TOML file < CLI. Model shape: the preset's ModelConfig < the shape keys given.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from fastpt.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-class ConfigError(ValueError):
-    """A user's config mistake; the CLI prints it as one line and exits non-zero."""
+__all__ = ["ConfigError", "ModelConfig", "PRESETS", "TrainConfig", "model_config", "resolve"]
 
 
 @dataclass
 class ModelConfig:
+    """The architecture: nothing here is a runtime choice (kernels, compile, dtype are not)."""
     vocab_size: int = 32000  # 0 = take it from the data's meta.json / shard header
     dim: int = 512
     n_layers: int = 8
@@ -32,7 +36,7 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    kernels: str = "auto"  # auto | triton | torch
+    tie_embeddings: bool = True  # the LM head shares the token embedding's weight
 
     @property
     def kv_heads(self) -> int:
@@ -42,90 +46,142 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def num_params(self) -> int:
+        """Parameters of the model this config builds (the tied head counted once)."""
+        d, hd = self.dim, self.head_dim
+        attention = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2  # wq, wo; wk, wv
+        block = attention + 3 * d * self.ffn_dim + 2 * d  # + SwiGLU, two norms
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layers * block + d + head
+
+    def check(self) -> ModelConfig:
+        """One line naming the field for a shape the model cannot have."""
+        for key in ("dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len", "vocab_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"'{key}' must be > 0, got {getattr(self, key)}")
+        if self.n_kv_heads < 0:
+            raise ConfigError(f"'n_kv_heads' must be >= 0 (0 = n_heads), got {self.n_kv_heads}")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"'dim' = {self.dim} is not divisible by 'n_heads' = {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(f"'n_heads' = {self.n_heads} is not divisible by 'n_kv_heads' = {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) "
+                              "must be even for RoPE")
+        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
+            raise ConfigError(f"'norm_eps' must be a finite number > 0, got {self.norm_eps}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ConfigError(f"'rope_theta' must be a finite number > 0, got {self.rope_theta}")
+        return self
+
 
 PRESETS: dict[str, ModelConfig] = {
-    "0.04b": ModelConfig(),
     "tiny": ModelConfig(vocab_size=0, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=256),
+    "0.04b": ModelConfig(),
+    "0.1b": ModelConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=2048),
+    "0.35b": ModelConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, max_seq_len=2048),
+    # TinyLlama-1.1B's architecture exactly: GQA with 4 KV heads, untied head, eps 1e-5.
+    "1b": ModelConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=2048,
+                      norm_eps=1e-5, tie_embeddings=False),
 }
+# (micro_batch, grad_accum) per preset: the seed's 16 x 4 for 0.04b; sized to fit one 80 GB GPU
+# in bf16 with --compile (the larger ones unmeasured until a GPU run says otherwise).
+PRESET_BATCH: dict[str, tuple[int, int]] = {
+    "tiny": (16, 1), "0.04b": (16, 4), "0.1b": (16, 4), "0.35b": (16, 4), "1b": (8, 8),
+}
+MODEL_KEYS = tuple(f.name for f in fields(ModelConfig))
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The values a numeric setting accepts; always finite."""
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+POSITIVE = Interval(0, low_open=True)
+NON_NEGATIVE = Interval(0)
+UNIT = Interval(0, 1)
+BETA = Interval(0, 1, high_open=True)
+
+
+def setting(default: Any, help: str, *, choices: tuple = (), domain: Interval | None = None) -> Any:
+    """A TrainConfig field with its --help line, its allowed values or its valid range."""
+    return field(default=default, metadata={"help": help, "choices": choices, "domain": domain})
+
+
+def shape(help: str) -> Any:
+    return setting(None, help + "; default: the preset's")
 
 
 @dataclass
 class TrainConfig:
     # model and data
-    preset: str = "0.04b"
-    data: str = ""  # folder of train_*.bin / val_*.bin; "" = the default corpus (prepared once)
-    data_format: str = "llmc"  # llmc (headered shards) | nanogpt (headerless uint16 train.bin/val.bin)
-    out: str = "runs/default"
-    resume: bool = False
-    seq_len: int = 0  # 0 = the preset's max_seq_len
+    preset: str = setting("0.04b", "model size (see --list-presets)", choices=tuple(PRESETS))
+    data: str = setting("", "folder of train_*.bin / val_*.bin shards; '' = the default corpus, prepared once")
+    data_format: str = setting("llmc", "llmc: headered shards (fastpt, llm.c, modded-nanogpt); "
+                                       "nanogpt: headerless uint16 .bin", choices=("llmc", "nanogpt"))
+    out: str = setting("runs/default", "run folder: config, metrics.jsonl, checkpoints, tokenizer")
+    resume: bool = setting(False, "continue from the newest complete checkpoint in --out")
+    seq_len: int = setting(0, "tokens per training sequence; 0 = the model's max_seq_len", domain=NON_NEGATIVE)
+    # model shape, on top of the preset
+    vocab_size: int | None = shape("vocabulary size (at least the data's)")
+    dim: int | None = shape("model width")
+    n_layers: int | None = shape("transformer blocks")
+    n_heads: int | None = shape("attention heads")
+    n_kv_heads: int | None = shape("key/value heads (grouped-query attention); 0 = n_heads")
+    ffn_dim: int | None = shape("SwiGLU hidden width")
+    max_seq_len: int | None = shape("longest sequence (RoPE table)")
+    rope_theta: float | None = shape("RoPE base")
+    norm_eps: float | None = shape("RMSNorm epsilon")
+    tie_embeddings: bool | None = shape("share the LM head with the token embedding")
     # optimisation: the seed's values
-    max_steps: int = 10000
-    micro_batch: int = 16
-    grad_accum: int = 4
-    lr: float = 5e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 500
-    weight_decay: float = 0.1
-    decay_rule: str = "ndim"  # ndim | strict
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
+    max_steps: int = setting(10000, "optimizer steps", domain=POSITIVE)
+    micro_batch: int = setting(16, "sequences per forward/backward; default: the preset's", domain=POSITIVE)
+    grad_accum: int = setting(4, "micro-batches per optimizer step; default: the preset's", domain=POSITIVE)
+    lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
+    min_lr_ratio: float = setting(0.1, "cosine floor as a fraction of the peak", domain=UNIT)
+    warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
+    weight_decay: float = setting(0.1, "AdamW weight decay", domain=NON_NEGATIVE)
+    decay_rule: str = setting("ndim", "ndim: decay tensors with >= 2 dims; strict: also spare biases, "
+                                      "norms, embeddings", choices=("ndim", "strict"))
+    beta1: float = setting(0.9, "AdamW beta1", domain=BETA)
+    beta2: float = setting(0.95, "AdamW beta2", domain=BETA)
+    eps: float = setting(1e-8, "AdamW epsilon", domain=POSITIVE)
+    max_grad_norm: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping",
+                                   domain=NON_NEGATIVE)
     # speed
-    dtype: str = "bf16"  # bf16 | fp16 | fp32
-    compile: bool = False
-    kernels: str = "auto"  # auto | triton | torch
-    device: str = ""  # "" = cuda if available, else cpu
-    parallel: str = "ddp"  # ddp | fsdp (under torchrun)
+    dtype: str = setting("bf16", "autocast precision (fp16 uses a GradScaler, CUDA only)",
+                         choices=("bf16", "fp16", "fp32"))
+    compile: bool = setting(False, "torch.compile the model")
+    kernels: str = setting("auto", "auto: Triton on CUDA, PyTorch elsewhere", choices=("auto", "triton", "torch"))
+    device: str = setting("", "'' = cuda if available, else cpu", choices=("", "cpu", "cuda"))
+    parallel: str = setting("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
     # bookkeeping
-    log_every: int = 10
-    eval_every: int = 500
-    eval_tokens: int = 262144
-    ckpt_every: int = 1000
-    keep_checkpoints: int = 3
-    on_nonfinite: str = "stop"  # stop | skip
-    max_skips: int = 10
-    seed: int = 1337
-    tensorboard: bool = False
-    wandb: str = ""  # project name; "" = off
+    log_every: int = setting(10, "steps between dashboard lines / metrics records", domain=POSITIVE)
+    eval_every: int = setting(500, "steps between validation evals", domain=POSITIVE)
+    eval_tokens: int = setting(262144, "validation tokens per eval", domain=POSITIVE)
+    ckpt_every: int = setting(1000, "steps between checkpoints", domain=POSITIVE)
+    keep_checkpoints: int = setting(3, "newest checkpoints kept on disk", domain=POSITIVE)
+    on_nonfinite: str = setting("stop", "on a NaN/inf loss or gradient: stop, or skip the update",
+                                choices=("stop", "skip"))
+    max_skips: int = setting(10, "stop after this many skipped updates in a row", domain=POSITIVE)
+    seed: int = setting(1337, "seed for init and data order", domain=Interval(0, 2**63 - 1))
+    tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
+    wandb: str = setting("", "Weights & Biases project to log to; '' = off")
 
-
-# One line per TrainConfig field for `python -m fastpt.train --help` (tests check none is missing).
-HELP: dict[str, str] = {
-    "preset": "model size",
-    "data": "folder of train_*.bin / val_*.bin shards; '' = the default corpus, prepared once",
-    "data_format": "llmc: headered shards (fastpt, llm.c, modded-nanogpt); nanogpt: headerless uint16 .bin",
-    "out": "run folder: config, metrics.jsonl, checkpoints, tokenizer",
-    "resume": "continue from the newest complete checkpoint in --out",
-    "seq_len": "tokens per training sequence; 0 = the preset's max_seq_len",
-    "max_steps": "optimizer steps",
-    "micro_batch": "sequences per forward/backward",
-    "grad_accum": "micro-batches per optimizer step",
-    "lr": "peak learning rate",
-    "min_lr_ratio": "cosine floor as a fraction of the peak",
-    "warmup_steps": "linear warmup steps",
-    "weight_decay": "AdamW weight decay",
-    "decay_rule": "ndim: decay tensors with >= 2 dims; strict: also spare biases, norms, embeddings",
-    "beta1": "AdamW beta1",
-    "beta2": "AdamW beta2",
-    "eps": "AdamW epsilon",
-    "max_grad_norm": "clip the global gradient norm to this",
-    "dtype": "autocast precision (fp16 uses a GradScaler, CUDA only)",
-    "compile": "torch.compile the model",
-    "kernels": "auto: Triton on CUDA, PyTorch elsewhere",
-    "device": "'' = cuda if available, else cpu",
-    "parallel": "data parallelism under torchrun",
-    "log_every": "steps between dashboard lines / metrics records",
-    "eval_every": "steps between validation evals",
-    "eval_tokens": "validation tokens per eval",
-    "ckpt_every": "steps between checkpoints",
-    "keep_checkpoints": "newest checkpoints kept on disk",
-    "on_nonfinite": "on a NaN/inf loss or gradient: stop, or skip the update",
-    "max_skips": "stop after this many skipped updates in a row",
-    "seed": "seed for init and data order",
-    "tensorboard": "also write TensorBoard events to OUT/tensorboard",
-    "wandb": "Weights & Biases project to log to; '' = off",
-}
 
 # On a CPU the zero-config run must finish in minutes: these replace the defaults there
 # (a TOML file or flag still wins).
@@ -135,21 +191,11 @@ CPU_PROFILE: dict[str, Any] = dict(
     log_every=10, out="runs/cpu",
 )
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "preset": tuple(PRESETS),
-    "data_format": ("llmc", "nanogpt"),
-    "decay_rule": ("ndim", "strict"),
-    "dtype": ("bf16", "fp16", "fp32"),
-    "kernels": ("auto", "triton", "torch"),
-    "device": ("", "cpu", "cuda"),
-    "parallel": ("ddp", "fsdp"),
-    "on_nonfinite": ("stop", "skip"),
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+FIELD_TYPES: dict[str, type] = {  # "int | None" -> int
+    name: next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+    for name, hint in typing.get_type_hints(TrainConfig).items()
 }
-POSITIVE = ("max_steps", "micro_batch", "grad_accum", "lr", "log_every", "eval_every",
-            "eval_tokens", "ckpt_every", "keep_checkpoints", "max_skips")
-NON_NEGATIVE = ("seq_len", "warmup_steps", "weight_decay", "min_lr_ratio", "max_grad_norm", "eps")
-
-FIELD_TYPES: dict[str, type] = {f.name: type(f.default) for f in fields(TrainConfig)}
 
 
 def suggest(key: str, valid) -> str:
@@ -175,61 +221,81 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     try:
         raw = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
     return {k: coerce(k, v, str(path)) for k, v in raw.items()}
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Reject nonsense values with a message that names the key and the value."""
-    for key, allowed in CHOICES.items():
-        value = getattr(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"'{key}' = {value!r} is not one of {', '.join(repr(a) for a in allowed)}")
-    for key in POSITIVE:
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"'{key}' must be > 0, got {getattr(cfg, key)!r}")
-    for key in NON_NEGATIVE:
-        if getattr(cfg, key) < 0:
-            raise ConfigError(f"'{key}' must be >= 0, got {getattr(cfg, key)!r}")
-    if cfg.min_lr_ratio > 1:
-        raise ConfigError(f"'min_lr_ratio' must be in [0, 1], got {cfg.min_lr_ratio!r}")
+    for name, f in FIELDS.items():
+        value, choices, domain = getattr(cfg, name), f.metadata["choices"], f.metadata["domain"]
+        if choices and value not in choices:
+            raise ConfigError(f"'{name}' = {value!r} is not one of {', '.join(map(repr, choices))}")
+        if domain and value not in domain:
+            finite = "" if math.isfinite(value) else " (a finite number)"
+            raise ConfigError(f"'{name}' must be {domain}{finite}, got {value!r}")
     if cfg.warmup_steps > cfg.max_steps:
         raise ConfigError(f"'warmup_steps' ({cfg.warmup_steps}) is larger than 'max_steps' ({cfg.max_steps})")
     return cfg
 
 
 def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainConfig:
-    """Merge defaults, the CPU profile, the TOML file and the CLI (later wins), then validate."""
-    merged: dict[str, Any] = {}
+    """Merge defaults, the preset's batch, the CPU profile, the TOML file and the CLI (later wins),
+    then validate."""
     file_values = load_toml(config_file) if config_file else {}
-    if device == "cpu":
-        merged.update(CPU_PROFILE)
-    merged.update(file_values)
-    merged.update({k: coerce(k, v, "command line") for k, v in cli.items()})
+    given = {**file_values, **{k: coerce(k, v, "command line") for k, v in cli.items()}}
+    merged: dict[str, Any] = dict(CPU_PROFILE) if device == "cpu" else {}
+    merged.update(given)
+    preset = merged.get("preset", FIELDS["preset"].default)
+    if preset in PRESET_BATCH and device != "cpu":
+        micro_batch, grad_accum = PRESET_BATCH[preset]
+        merged.setdefault("micro_batch", micro_batch)
+        merged.setdefault("grad_accum", grad_accum)
     merged["device"] = device
     cfg = TrainConfig(**merged)
-    if "warmup_steps" not in file_values and "warmup_steps" not in cli and cfg.warmup_steps > cfg.max_steps:
+    if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:
         cfg.warmup_steps = cfg.max_steps // 10  # a default warmup adapts to a short run
     return validate(cfg)
 
 
 def to_toml(cfg: TrainConfig) -> str:
-    """The resolved config as TOML (flat keys), loadable again with --config."""
+    """The config as TOML (flat keys; unset shape keys left out), loadable again with --config."""
     def fmt(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, str):
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         return repr(v)
-    return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items())
+    return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> ModelConfig:
-    """The preset, its vocab widened to the data's when the data needs more (e.g. GPT-2 ids in
-    FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len."""
-    m = dataclasses.replace(PRESETS[cfg.preset], kernels=cfg.kernels)
-    m.vocab_size = max(m.vocab_size, vocab_size)
-    if cfg.seq_len > m.max_seq_len:
-        m.max_seq_len = cfg.seq_len
-    return m
+def model_config(cfg: TrainConfig, data_vocab: int) -> ModelConfig:
+    """The preset with the shape keys given on top; its vocab widened to the data's when the data
+    needs more (e.g. GPT-2 ids in FineWeb shards; `tiny` always takes the data's), and long enough
+    for the run's seq_len."""
+    overrides = {k: getattr(cfg, k) for k in MODEL_KEYS if getattr(cfg, k) is not None}
+    m = dataclasses.replace(PRESETS[cfg.preset], **overrides)
+    if "vocab_size" in overrides and 0 < m.vocab_size < data_vocab:
+        raise ConfigError(f"'vocab_size' = {m.vocab_size} is smaller than the data's vocab ({data_vocab})")
+    m.vocab_size = max(m.vocab_size, data_vocab)
+    if "max_seq_len" in overrides and cfg.seq_len > m.max_seq_len:
+        raise ConfigError(f"'seq_len' = {cfg.seq_len} is longer than 'max_seq_len' = {m.max_seq_len}")
+    m.max_seq_len = max(m.max_seq_len, cfg.seq_len)
+    return m.check()
+
+
+def describe_presets() -> str:
+    """One line per preset: shape, parameters, default batch."""
+    lines = []
+    for name, m in PRESETS.items():
+        params = f"{m.num_params() / 1e6:,.1f}M params" if m.vocab_size else "vocab from the data"
+        kv = f", {m.kv_heads} kv heads" if m.kv_heads != m.n_heads else ""
+        tied = "tied" if m.tie_embeddings else "untied"
+        micro, accum = PRESET_BATCH[name]
+        lines.append(f"  {name:6} {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads{kv}, ffn {m.ffn_dim}, "
+                     f"vocab {m.vocab_size or 'data'}, seq {m.max_seq_len}, {tied}: {params}; "
+                     f"batch {micro} x {accum} accum")
+    return "\n".join(lines)

@@ -53,26 +53,27 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(self, x, cos, sin, cache: tuple | None = None):
+        """cache None (training): returns (y, None), so no view of k and v outlives the call.
+        cache () (a prompt's prefill) or (k, v) (decoding one token after it): returns (y, the
+        cache extended by this call's keys and values)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
         k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)  # (B, T, Hkv, hd)
         v = self.wv(x).view(B, T, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
-        past = 0
-        if cache is not None:
-            past = cache[0].shape[2]
+        if cache:
+            if T > 1:
+                raise ValueError("a KV cache decodes one token at a time after the prompt")
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
-        # With a cache only one new token is decoded at a time, so it may see every key. is_causal
-        # tests the cache, not `past`, to stay a plain bool when compiled with dynamic shapes.
-        if past and T > 1:
-            raise ValueError("a KV cache decodes one token at a time after the prompt")
+        # A decoded token may see every cached key. is_causal tests the cache, not its length,
+        # to stay a plain bool when compiled with dynamic shapes.
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=cache is None, enable_gqa=self.kv_heads != self.n_heads
+            q, k, v, is_causal=not cache, enable_gqa=self.kv_heads != self.n_heads
         )  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
-        return self.wo(y), (k, v)
+        return self.wo(y), None if cache is None else (k, v)
 
 
 class FeedForward(nn.Module):
@@ -87,11 +88,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: str):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x, cos, sin, cache=None):
@@ -102,16 +103,17 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The model of a ModelConfig; `kernels` (auto | triton | torch) picks how its RMSNorms and loss
+    run, a runtime choice that checkpoints do not record."""
+
+    def __init__(self, cfg: ModelConfig, kernels: str = "auto"):
         super().__init__()
-        if cfg.vocab_size <= 0:
-            raise ValueError(f"vocab_size must be > 0, got {cfg.vocab_size}")
-        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.kv_heads:
-            raise ValueError(f"dim {cfg.dim}, n_heads {cfg.n_heads}, n_kv_heads {cfg.kv_heads} do not divide")
-        self.cfg = cfg
+        cfg.check()
+        self.cfg, self.kernel_backend = cfg, kernels
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.kernels)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, kernels) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -129,8 +131,8 @@ class Transformer(nn.Module):
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """The LM head, tied to the token embedding."""
-        return self.tok_embeddings.weight
+        """The LM head's (V, C) weight: the token embedding's when tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None):
@@ -143,13 +145,15 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(idx)  # (B, T, C)
         new_cache: KVCache = []
         for i, layer in enumerate(self.layers):
-            h, layer_cache = layer(h, cos, sin, kv_cache[i] if kv_cache else None)
+            # An empty list starts a cache (the prompt's prefill); None means no cache at all.
+            layer_cache = None if kv_cache is None else (kv_cache[i] if kv_cache else ())
+            h, layer_cache = layer(h, cos, sin, layer_cache)
             new_cache.append(layer_cache)
         h = self.norm(h)  # (B, T, C)
         if labels is not None:
             # The fused kernel never materializes the (B*T, V) logits.
             loss = kernels.linear_cross_entropy(
-                h.flatten(0, 1), self.output_weight, labels.flatten(), backend=self.cfg.kernels
+                h.flatten(0, 1), self.output_weight, labels.flatten(), backend=self.kernel_backend
             )
             return None, loss, None
         logits = F.linear(h, self.output_weight)  # (B, T, V)

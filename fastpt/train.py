@@ -23,8 +23,8 @@ import torch
 
 from fastpt import checkpoint, distributed
 from fastpt.checkpoint import CheckpointError
-from fastpt.config import (CHOICES, CPU_PROFILE, HELP, ConfigError, ModelConfig, TrainConfig, model_config,
-                           resolve, suggest, to_toml)
+from fastpt.config import (CPU_PROFILE, FIELD_TYPES, FIELDS, ConfigError, ModelConfig, TrainConfig,
+                           describe_presets, model_config, resolve, suggest, to_toml)
 from fastpt.data import (DataError, TrainLoader, Windows, check_token_ids, data_vocab, eval_batches,
                          find_shards)
 from fastpt.metrics import MetricsLogger, device_name, peak_flops, peak_mem_gib
@@ -58,25 +58,32 @@ class ArgumentParser(argparse.ArgumentParser):
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
     """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
     ap = ArgumentParser(prog="python -m fastpt.train", description=__doc__.splitlines()[0],
-                        epilog="On a CPU the defaults become a short tiny-preset run: "
-                               + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="presets:\n" + describe_presets() + "\n\nOn a CPU the defaults become a short "
+                               "tiny-preset run: " + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
     ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
-    flags = ["--config"]
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+    ap.add_argument("--list-presets", action="store_true", help="print each preset's shape and size, then exit")
+    flags = ["--config", "--list-presets"]
+    for name, f in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
         flags.append(flag)
-        one_of = f"; one of {', '.join(map(repr, CHOICES[f.name]))}" if f.name in CHOICES else ""
-        help_text = f"{HELP[f.name]}{one_of} (default: {f.default!r})"
-        if isinstance(f.default, bool):
-            ap.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
+        meta = f.metadata
+        allowed = (f"; one of {', '.join(map(repr, meta['choices']))}" if meta["choices"]
+                   else f"; {meta['domain']}" if meta["domain"] else "")
+        help_text = f"{meta['help']}{allowed} (default: {f.default!r})".replace("%", "%%")
+        if FIELD_TYPES[name] is bool:
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
-            ap.add_argument(flag, type=type(f.default), default=argparse.SUPPRESS, help=help_text,
-                            metavar=f.name.upper())
+            ap.add_argument(flag, type=FIELD_TYPES[name], default=argparse.SUPPRESS, help=help_text,
+                            metavar=name.upper())
     args, unknown = ap.parse_known_args(argv)
     if unknown:
         hint = suggest(unknown[0].split("=")[0], flags)
         raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
     args = vars(args)
+    if args.pop("list_presets", False):
+        print(describe_presets())
+        raise SystemExit(0)
     return args, args.pop("config", None)
 
 
@@ -124,9 +131,9 @@ def rewind_metrics(path: Path, step: int) -> None:
 
 
 def model_mismatch(saved: dict, mcfg: ModelConfig) -> str:
-    """The architecture fields a checkpoint disagrees on ('dim 512 != 128'); kernels may change freely."""
+    """The architecture fields a checkpoint disagrees on ('dim 512 != 128')."""
     return ", ".join(f"{k} {v} != {getattr(mcfg, k)}" for k, v in saved.items()
-                     if k != "kernels" and getattr(mcfg, k, v) != v)
+                     if getattr(mcfg, k, v) != v)
 
 
 def fmt_duration(seconds: float) -> str:
@@ -183,7 +190,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model = Transformer(mcfg).to(device)
+    raw_model = Transformer(mcfg, cfg.kernels).to(device)
     model = distributed.parallelize(raw_model, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile)
     optimizer = build_optimizer(raw_model, cfg.weight_decay, cfg.decay_rule, cfg.lr,
                                 (cfg.beta1, cfg.beta2), cfg.eps)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from conftest import TINY, read_metrics, run_train
-from fastpt.config import PRESETS, ConfigError, TrainConfig, load_toml, model_config, resolve, to_toml
+from fastpt.config import PRESET_BATCH, PRESETS, ConfigError, TrainConfig, load_toml, model_config, resolve, to_toml
 from fastpt.data import DataError, TrainLoader, Windows, read_shard, write_shard
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at, param_groups
@@ -201,7 +201,9 @@ def test_config_precedence_file_errors_and_round_trip(tmp_path):
     cfg_file = tmp_path / "run.toml"
     cfg_file.write_text('lr = 1e-3\nmax_steps = 50\npreset = "tiny"\n')
     cfg = resolve({"lr": 2e-3}, str(cfg_file), "cuda")
-    assert (cfg.lr, cfg.max_steps, cfg.preset, cfg.grad_accum) == (2e-3, 50, "tiny", 4)
+    assert (cfg.lr, cfg.max_steps, cfg.preset) == (2e-3, 50, "tiny")
+    assert (cfg.micro_batch, cfg.grad_accum) == PRESET_BATCH["tiny"]  # the preset's batch, unless given
+    assert resolve({"preset": "1b", "grad_accum": 3}, None, "cuda").grad_accum == 3
     assert cfg.warmup_steps == 5  # the default 500 adapts to a 50-step run
     assert resolve({}, None, "cuda") == TrainConfig(device="cuda")  # the seed's defaults on a GPU
     assert resolve({}, None, "cpu").preset == "tiny"

@@ -260,8 +260,8 @@ def _train_losses(backend: str, device: str, steps: int, dtype: torch.dtype) -> 
     from fastpt.model import Transformer
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_dim=192, max_seq_len=64, kernels=backend)
-    model = Transformer(cfg).to(device)
+    cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_dim=192, max_seq_len=64)
+    model = Transformer(cfg, backend).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 512, (steps, 4, 33), generator=torch.Generator().manual_seed(1)).to(device)
     losses = []

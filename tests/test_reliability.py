@@ -257,5 +257,5 @@ def test_unusable_run_folder(tiny_data, tmp_path, capsys):
 
 
 def test_resume_with_another_model_names_the_difference(reference, tiny_data, capsys):
-    fails_with(capsys, base_args(tiny_data, reference) + ["--resume", "--seq-len", "300"],
-               "ckpt_00000010.pt was written for another model (max_seq_len 256 != 300)")
+    fails_with(capsys, base_args(tiny_data, reference) + ["--resume", "--n-layers", "3", "--no-tie-embeddings"],
+               "ckpt_00000010.pt was written for another model (n_layers 2 != 3, tie_embeddings True != False)")

@@ -1,0 +1,74 @@
+"""The errors a user's mistake raises, and how every fastpt command reports them.
+
+Library code raises these (never SystemExit); each message names the file, key or value at
+fault. Only a command's `main` turns them into one `fastpt: error: ...` line and exit code 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, NoReturn
+
+USAGE_EXIT = 2  # a user's mistake, as argparse exits
+INTERRUPT_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+class FastptError(Exception):
+    """A problem the user can fix; printed as one line, without a traceback."""
+
+
+class ConfigError(FastptError, ValueError):
+    """A bad option, config key or value."""
+
+
+class DataError(FastptError, ValueError):
+    """A problem with the user's data or tokenizer; the message names the file."""
+
+
+class CheckpointError(FastptError, RuntimeError):
+    """A checkpoint could not be written or read; the message names the file."""
+
+
+class MissingPackage(FastptError, ImportError):
+    """An optional package that a requested feature needs; the message says what to install."""
+
+
+def require(module: str, feature: str, pip_name: str | None = None):
+    """Import an optional package, or raise MissingPackage naming the feature and the pip command."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingPackage(f"{feature} needs the {pip_name or module} package: "
+                             f"pip install {pip_name or module}") from None
+
+
+def fail(message: str) -> None:
+    print(f"fastpt: error: {message}", file=sys.stderr, flush=True)
+
+
+def run_command(main: Callable[[], int | None]) -> NoReturn:
+    """Run a command's main: its return value is the exit code, a FastptError one line and exit 2,
+    Ctrl-C one line and exit 130 (the command's own `finally` blocks clean up first)."""
+    try:
+        code = main() or 0
+    except FastptError as e:
+        fail(str(e))
+        code = USAGE_EXIT
+    except KeyboardInterrupt:
+        fail("interrupted")
+        code = INTERRUPT_EXIT
+    sys.exit(code)
+
+
+def _interrupt_hook(previous):
+    """A Ctrl-C that reaches the top of a fastpt command before its main runs (while `import torch`
+    is loading, say) is one line and exit 130, not a traceback. Other programs keep `previous`."""
+    def hook(exc_type, exc, tb):
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if issubclass(exc_type, KeyboardInterrupt) and spec is not None and spec.name.startswith("fastpt."):
+            fail("interrupted")
+            os._exit(INTERRUPT_EXIT)
+        previous(exc_type, exc, tb)
+    return hook
