@@ -54,6 +54,12 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * block + d + head
 
+    @classmethod
+    def from_dict(cls, saved: dict) -> ModelConfig:
+        """A config as checkpoints store it; keys of older releases (the runtime `kernels` choice)
+        are dropped."""
+        return cls(**{k: v for k, v in saved.items() if k in MODEL_FIELDS})
+
     def check(self) -> ModelConfig:
         """One line naming the field for a shape the model cannot have."""
         for key in ("dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len", "vocab_size"):
@@ -75,6 +81,7 @@ class ModelConfig:
         return self
 
 
+MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=0, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=256),
     "0.04b": ModelConfig(),
@@ -89,7 +96,6 @@ PRESETS: dict[str, ModelConfig] = {
 PRESET_BATCH: dict[str, tuple[int, int]] = {
     "tiny": (16, 1), "0.04b": (16, 4), "0.1b": (16, 4), "0.35b": (16, 4), "1b": (8, 8),
 }
-MODEL_KEYS = tuple(f.name for f in fields(ModelConfig))
 
 
 @dataclass(frozen=True)
@@ -276,7 +282,7 @@ def model_config(cfg: TrainConfig, data_vocab: int) -> ModelConfig:
     """The preset with the shape keys given on top; its vocab widened to the data's when the data
     needs more (e.g. GPT-2 ids in FineWeb shards; `tiny` always takes the data's), and long enough
     for the run's seq_len."""
-    overrides = {k: getattr(cfg, k) for k in MODEL_KEYS if getattr(cfg, k) is not None}
+    overrides = {k: getattr(cfg, k) for k in MODEL_FIELDS if getattr(cfg, k) is not None}
     m = dataclasses.replace(PRESETS[cfg.preset], **overrides)
     if "vocab_size" in overrides and 0 < m.vocab_size < data_vocab:
         raise ConfigError(f"'vocab_size' = {m.vocab_size} is smaller than the data's vocab ({data_vocab})")

@@ -64,7 +64,7 @@ def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
     """The model of a checkpoint (a file, or an FSDP shard directory gathered whole) and its state.
     Kernels follow this device ("auto"): a run that forced Triton on a GPU still samples on a CPU."""
     ckpt = checkpoint.load(path, device)
-    model = Transformer(ModelConfig(**ckpt["model_config"])).to(device)
+    model = Transformer(ModelConfig.from_dict(ckpt["model_config"])).to(device)
     distributed.load_state(path, ckpt, model)
     return model.eval(), ckpt
 
