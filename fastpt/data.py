@@ -19,8 +19,7 @@ HEADER_BYTES = HEADER_INTS * 4
 FORMATS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}
 
 
-class DataError(ValueError):
-    """A problem with the user's data; the message names the file."""
+from fastpt.errors import DataError  # noqa: E402  (re-exported: callers import it from here)
 
 
 def write_shard(path: str | Path, tokens, vocab_size: int = 0) -> Path:
