@@ -113,7 +113,7 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, labels=None):
         T = idx.size(1)
         cos, sin = self.cos[:T], self.sin[:T]
         x = self.wte(idx)
@@ -121,8 +121,8 @@ class GPT(nn.Module):
             x = block(x, cos, sin)
         logits = self.lm_head(self.ln_f(x))
         loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
         return logits, loss
 
     def configure_optimizers(self, weight_decay: float, lr: float, betas: tuple[float, float]):

@@ -5,6 +5,7 @@ only) < TOML file < CLI. Model shape: the preset's ModelConfig < the shape keys 
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -305,3 +306,39 @@ def describe_presets() -> str:
                      f"vocab {m.vocab_size or 'data'}, seq {m.max_seq_len}, {tied}: {params}; "
                      f"batch {micro} x {accum} accum")
     return "\n".join(lines)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A mistyped flag is a user's mistake: one line through ConfigError, not a usage dump."""
+        raise ConfigError(f"command line: {message}")
+
+
+def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
+    """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
+    ap = ArgumentParser(prog="python -m fastpt.train", description="Pretrain a Llama-style model.",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="presets:\n" + describe_presets() + "\n\nOn a CPU the defaults become a short "
+                               "tiny-preset run: " + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
+    ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
+    ap.add_argument("--list-presets", action="version", version=describe_presets(),
+                    help="print each preset's shape and size, then exit")
+    flags = ["--config", "--list-presets"]
+    for name, f in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        flags.append(flag)
+        meta = f.metadata
+        allowed = (f"; one of {', '.join(map(repr, meta['choices']))}" if meta["choices"]
+                   else f"; {meta['domain']}" if meta["domain"] else "")
+        help_text = f"{meta['help']}{allowed} (default: {f.default!r})".replace("%", "%%")
+        if FIELD_TYPES[name] is bool:
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            ap.add_argument(flag, type=FIELD_TYPES[name], default=argparse.SUPPRESS, help=help_text,
+                            metavar=name.upper())
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        hint = suggest(unknown[0].split("=")[0], flags)
+        raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
+    args = vars(args)
+    return args, args.pop("config", None)

@@ -230,14 +230,18 @@ class TrainLoader:
 
 def eval_batches(windows: Windows, micro_batch: int, eval_tokens: int, device: torch.device,
                  rank: int = 0, world_size: int = 1):
-    """The first eval_tokens of the validation windows, in order: the same every evaluation."""
+    """The first eval_tokens of the validation windows, in order: the same every evaluation and
+    for any world size. Ranks take every world_size-th window; FSDP ranks must run the same
+    forwards, so a rank that runs out repeats window 0 with its targets ignored (-100)."""
     n = min(len(windows), max(1, eval_tokens // windows.seq_len))
-    # Equal shares, as FSDP ranks must run the same forwards: drop the remainder, or repeat a short set.
-    n = max(n - n % world_size, world_size)
-    mine = np.arange(rank, n, world_size) % len(windows)
-    for i in range(0, len(mine), micro_batch):
-        w = windows.gather(mine[i:i + micro_batch]).to(device)
-        yield Batch(w[:, :-1], w[:, 1:])
+    mine = np.arange(rank, n, world_size)
+    padding = -(-n // world_size) - len(mine)
+    indices = np.concatenate((mine, np.zeros(padding, dtype=mine.dtype)))
+    for i in range(0, len(indices), micro_batch):
+        w = windows.gather(indices[i:i + micro_batch]).to(device)  # (B, T+1)
+        x, y = w[:, :-1], w[:, 1:].clone()
+        y[max(0, len(mine) - i):] = -100  # the padding rows count for nothing
+        yield Batch(x, y)
 
 
 def data_vocab(folder: Path, shards: list[Path], headerless: bool) -> int:

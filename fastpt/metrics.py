@@ -1,13 +1,18 @@
 """Run metrics: metrics.jsonl always, TensorBoard and Weights & Biases on request; MFU."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+from fastpt.errors import require
+from fastpt.files import write_atomic
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), by a substring of the device name.
 PEAK_BF16_FLOPS = {
@@ -39,40 +44,85 @@ def peak_mem_gib(device: torch.device) -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
+class Pace:
+    """Wall time of training since the last dashboard line, with evals and checkpoints left out
+    (their time, the first eval's compile included, is not training)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - t0
+
+    def lap(self) -> float:
+        """Seconds of training since the last lap; starts the next one."""
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed
+
+
+def rewind(path: Path, step: int) -> None:
+    """Drop records after `step`, atomically: a killed run logged steps that the resumed run is
+    about to redo, and a kill during this rewrite must not cost the earlier history."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError, AttributeError):  # a line cut short by a kill is dropped
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line + "\n")
+    write_atomic(path, lambda f: f.write("".join(kept).encode()))
+
+
 class MetricsLogger:
-    """Appends one JSON object per logged step; mirrors scalars to TensorBoard / W&B if asked."""
+    """Appends one JSON object per logged step; mirrors scalars to TensorBoard / W&B if asked.
+
+    A failed write (a full disk) is a warning, said once, never the end of the run: the loop goes
+    on to its next checkpoint, which is what a user needs to keep."""
 
     def __init__(self, run_dir: Path, config: dict, tensorboard: bool = False, wandb_project: str = ""):
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.path = run_dir / "metrics.jsonl"
+        self.file = open(self.path, "a")
         self.tb = self.wandb = None
+        self.failed = False
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise SystemExit("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+            SummaryWriter = require("torch.utils.tensorboard", "--tensorboard", "tensorboard").SummaryWriter
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         if wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise SystemExit("--wandb needs the wandb package: pip install wandb") from None
-            self.wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir))
+            self.wandb = require("wandb", "--wandb").init(project=wandb_project, config=config, dir=str(run_dir))
 
     def log(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
         step = record["step"]
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
-        if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            if self.tb is not None:
+                for k, v in scalars.items():
+                    self.tb.add_scalar(k, v, step)
+                self.tb.flush()
+        except OSError as e:
+            self._warn(e)
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def _warn(self, e: OSError) -> None:
+        if not self.failed:
+            print(f"fastpt: warning: could not write {self.path} ({e.strerror or e}); training goes on, "
+                  "later records may be missing", file=sys.stderr, flush=True)
+        self.failed = True
+
     def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        try:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+        except OSError as e:
+            self._warn(e)
         if self.wandb is not None:
             self.wandb.finish()

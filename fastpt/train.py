@@ -3,38 +3,92 @@
 The whole loop is in `train()`, top to bottom: grouped AdamW, warmup + cosine LR, gradient
 accumulation with loss / grad_accum, global-norm clipping, bf16 autocast (fp16 with a
 GradScaler), the dashboard line every log_every steps, evals and atomic checkpoints.
+One optimizer step is `train_step()`, which the benchmark runs too.
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import json
 import math
-import os
 import random
 import signal
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 
+import kernels
 from fastpt import checkpoint, distributed
-from fastpt.checkpoint import CheckpointError
-from fastpt.config import (CPU_PROFILE, FIELD_TYPES, FIELDS, ConfigError, ModelConfig, TrainConfig,
-                           describe_presets, model_config, resolve, suggest, to_toml)
-from fastpt.data import (DataError, TrainLoader, Windows, check_token_ids, data_vocab, eval_batches,
-                         find_shards)
-from fastpt.metrics import MetricsLogger, device_name, peak_flops, peak_mem_gib
+from fastpt.config import ModelConfig, TrainConfig, model_config, parse_args, resolve, to_toml
+from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
+from fastpt.errors import CheckpointError, ConfigError, run_command
+from fastpt.files import lock
+from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Testing hook: poison the loss of these steps ("3" or "3,5,6", numbered as in the log) to
-# exercise the non-finite guard.
-FAULT_NAN_STEPS = {int(s) for s in os.environ.get("FASTPT_FAULT_NAN_AT_STEP", "").split(",") if s.strip()}
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss over the step's micro-batches (and ranks), on device
+    grad_norm: torch.Tensor  # global norm before clipping
+    finite: torch.Tensor  # loss and norm both finite (bool, on device)
+    applied: bool  # False only for an update skipped as non-finite
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               loader: TrainLoader, grad_accum: int, autocast, max_grad_norm: float,
+               d: distributed.Dist = distributed.Dist(), skip_nonfinite: bool = False) -> StepResult:
+    """One optimizer step: grad_accum micro-batches, each loss / grad_accum so the accumulated
+    gradient averages like one large batch (DDP / FSDP sync only on the last), then unscale (fp16),
+    clip the global norm and step. Nothing waits for the host, unless skip_nonfinite asks whether
+    to apply the update."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), device=loader.device)
+    for micro_step in range(grad_accum):
+        batch = loader.next()
+        distributed.set_grad_sync(model, micro_step == grad_accum - 1)
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse their buffers; else a no-op
+        with autocast:
+            loss = model(batch.x, labels=batch.y)[1]
+        loss = loss / grad_accum
+        scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    loss = distributed.all_reduce_mean(loss_sum, d)  # every rank takes the same branches
+    scaler.unscale_(optimizer)
+    grad_norm = distributed.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
+    # fp16's GradScaler skips overflowing steps itself; an inf norm there is routine.
+    finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | scaler.is_enabled())
+    applied = not skip_nonfinite or bool(finite)  # one host sync per step, in skip mode only
+    if applied:
+        scaler.step(optimizer)
+    scaler.update()
+    return StepResult(loss, grad_norm, finite, applied)
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from step to step; checkpoints hold it, so a resumed run's records
+    equal the uninterrupted run's, the log window straddling the checkpoint included."""
+    step: int = 0
+    tokens_seen: int = 0
+    best_val_loss: float = math.inf
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    window_loss: float | torch.Tensor = 0.0  # sum of step losses since the last dashboard line
+    window_steps: int = 0  # updates applied since the last dashboard line
+
+    def state_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "window_loss": float(self.window_loss)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in state:  # window_* are absent from checkpoints of older releases
+                setattr(self, f.name, state[f.name])
 
 
 class Preemption:
@@ -49,44 +103,6 @@ class Preemption:
         self.requested = True
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """A mistyped flag is a user's mistake: one line through ConfigError, not a usage dump."""
-        raise ConfigError(f"command line: {message}")
-
-
-def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
-    """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
-    ap = ArgumentParser(prog="python -m fastpt.train", description=__doc__.splitlines()[0],
-                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="presets:\n" + describe_presets() + "\n\nOn a CPU the defaults become a short "
-                               "tiny-preset run: " + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
-    ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
-    ap.add_argument("--list-presets", action="store_true", help="print each preset's shape and size, then exit")
-    flags = ["--config", "--list-presets"]
-    for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        flags.append(flag)
-        meta = f.metadata
-        allowed = (f"; one of {', '.join(map(repr, meta['choices']))}" if meta["choices"]
-                   else f"; {meta['domain']}" if meta["domain"] else "")
-        help_text = f"{meta['help']}{allowed} (default: {f.default!r})".replace("%", "%%")
-        if FIELD_TYPES[name] is bool:
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-        else:
-            ap.add_argument(flag, type=FIELD_TYPES[name], default=argparse.SUPPRESS, help=help_text,
-                            metavar=name.upper())
-    args, unknown = ap.parse_known_args(argv)
-    if unknown:
-        hint = suggest(unknown[0].split("=")[0], flags)
-        raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
-    args = vars(args)
-    if args.pop("list_presets", False):
-        print(describe_presets())
-        raise SystemExit(0)
-    return args, args.pop("config", None)
-
-
 def pick_device(cli: dict) -> str:
     wanted = cli.get("device", "")
     if wanted == "cuda" and not torch.cuda.is_available():
@@ -94,11 +110,15 @@ def pick_device(cli: dict) -> str:
     return wanted or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def check_dtype(dtype: str, device: torch.device) -> None:
-    if dtype == "fp16" and device.type != "cuda":
+def check_runtime(cfg: TrainConfig, device: torch.device) -> None:
+    """Choices the config allows but this machine cannot run."""
+    if cfg.dtype == "fp16" and device.type != "cuda":
         raise ConfigError(f"'dtype' = 'fp16' needs a CUDA device (got {device.type}); use bf16 or fp32")
-    if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if cfg.dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"'dtype' = 'bf16' is not supported on {device_name(device)}; use fp16 or fp32")
+    if cfg.kernels == "triton" and not kernels.available():
+        raise ConfigError("'kernels' = 'triton' cannot run here: it needs Triton and a CUDA device "
+                          "(or TRITON_INTERPRET=1 on a CPU, slowly); use 'auto'")
 
 
 def rng_state() -> dict:
@@ -118,22 +138,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def rewind_metrics(path: Path, step: int) -> None:
-    """Drop records after `step`: a killed run logged steps that the resumed run is about to redo."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line cut short by the kill is dropped too
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line + "\n")
-    path.write_text("".join(kept))
-
-
 def model_mismatch(saved: dict, mcfg: ModelConfig) -> str:
     """The architecture fields a checkpoint disagrees on ('dim 512 != 128')."""
-    return ", ".join(f"{k} {v} != {getattr(mcfg, k)}" for k, v in saved.items()
-                     if getattr(mcfg, k, v) != v)
+    saved = dataclasses.asdict(ModelConfig.from_dict(saved))
+    return ", ".join(f"{k} {v} != {getattr(mcfg, k)}" for k, v in saved.items() if getattr(mcfg, k) != v)
 
 
 def fmt_duration(seconds: float) -> str:
@@ -146,25 +154,32 @@ def fmt_duration(seconds: float) -> str:
 def evaluate(model, windows: Windows, cfg: TrainConfig, device, autocast, d) -> float:
     model.eval()
     total = torch.zeros((), device=device)
-    count = 0
+    count = torch.zeros((), device=device)
     for batch in eval_batches(windows, cfg.micro_batch, cfg.eval_tokens, device, d.rank, d.world_size):
         with autocast:
             _, loss, _ = model(batch.x, labels=batch.y)
-        total += loss.float() * batch.x.numel()
-        count += batch.x.numel()
+        counted = (batch.y != -100).sum()
+        total += torch.where(counted > 0, loss.float() * counted, 0.0)  # all padding: its mean is 0 / 0
+        count += counted
     model.train()
-    stats = distributed.all_reduce_mean(torch.stack([total, torch.tensor(float(count), device=device)]), d)
+    stats = distributed.all_reduce_mean(torch.stack([total, count]), d)
     return (stats[0] / stats[1]).item()
 
 
 def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     """Run the training loop; returns the process exit code."""
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
-    check_dtype(cfg.dtype, device)
+    check_runtime(cfg, device)
     if device.type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     run_dir = Path(cfg.out)
     log = print if d.is_main else (lambda *a, **k: None)
+    if d.is_main:  # one trainer per run folder: a second one is refused before it touches anything
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            run_lock = lock(run_dir / ".lock", "trainer")  # noqa: F841 (held until the process ends)
+        except OSError as e:
+            raise ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})") from None
 
     # ---- data: memory-mapped shards, token ids checked against the vocab once
     data_dir = Path(cfg.data) if cfg.data else None
@@ -198,36 +213,42 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
 
     # ---- resume: model, optimizer, scaler, RNG, loader position, loop state
-    step, tokens_seen, best_val = 0, 0, float("inf")
-    if cfg.resume and (path := checkpoint.latest(run_dir)):
-        ckpt = checkpoint.load(path, device)
+    state = TrainState()
+
+    def resume_from(path: Path, ckpt: dict) -> None:
         if diff := model_mismatch(ckpt["model_config"], mcfg):
             raise ConfigError(f"{path} was written for another model ({diff}); "
-                              "resume with the same preset and data")
-        distributed.load_state(path, ckpt, raw_model, optimizer)  # any layout, any world size
+                              "resume with the same preset, shape keys and data")
+        checkpoint.load_state(path, ckpt, raw_model, optimizer)  # any layout, any world size
         scaler.load_state_dict(ckpt["scaler"])
         loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"])
-        step, tokens_seen, best_val = ckpt["step"], ckpt["tokens_seen"], ckpt["best_val_loss"]
-        log(f"resumed from {path} at step {step}")
-        if step >= cfg.max_steps:
-            log(f"nothing to do: the run is already at step {step} of max_steps {cfg.max_steps}")
+        state.load_state_dict(ckpt.get("train_state", ckpt))
+
+    if cfg.resume and (restored := checkpoint.restore(run_dir, device, resume_from)):
+        log(f"resumed from {restored[0]} at step {state.step}")
+        if state.step >= cfg.max_steps:
+            log(f"nothing to do: the run is already at step {state.step} of max_steps {cfg.max_steps}")
     elif cfg.resume:
         log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
     elif path := checkpoint.latest(run_dir):  # a fresh run would mix its checkpoints with the old ones
         raise ConfigError(f"{run_dir} already holds a run (newest checkpoint {path.name}): "
                           "add --resume to continue it, or choose another --out")
+    elif (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size:
+        raise ConfigError(f"{run_dir} holds an earlier run's metrics.jsonl (and no checkpoint): "
+                          "add --resume to start that run over, or choose another --out")
+    state.window_loss = torch.tensor(float(state.window_loss), device=device)
 
     def save_checkpoint() -> bool:
-        model_state, optim_state = distributed.get_state(raw_model, optimizer)
-        state = {
+        model_state, optim_state = checkpoint.state_of(raw_model, optimizer)
+        ckpt = {
             "model": model_state, "optimizer": optim_state,
             "scaler": scaler.state_dict(), "loader": loader.state_dict(), "rng": rng_state(),
-            "step": step, "tokens_seen": tokens_seen, "best_val_loss": best_val,
+            "step": state.step, "train_state": state.state_dict(),
             "model_config": dataclasses.asdict(mcfg), "train_config": dataclasses.asdict(cfg),
         }
         try:
-            if path := distributed.save_checkpoint(run_dir, step, state, cfg.keep_checkpoints, d):
+            if path := checkpoint.save(run_dir, state.step, ckpt, cfg.keep_checkpoints, d.is_main):
                 log(f"saved {path}")
             return True
         except CheckpointError as e:
@@ -237,16 +258,16 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     tokens_per_step = cfg.micro_batch * seq_len * cfg.grad_accum * d.world_size
     flops_per_step = raw_model.flops_per_token(seq_len) * tokens_per_step
     peak = peak_flops(device_name(device)) if device.type == "cuda" else None
+    metrics = None
     if d.is_main:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(to_toml(cfg))
             if (data_dir / "tokenizer.json").is_file():  # the run folder alone is enough for fastpt.sample
                 (run_dir / "tokenizer.json").write_bytes((data_dir / "tokenizer.json").read_bytes())
-            rewind_metrics(run_dir / "metrics.jsonl", step)
+            rewind(run_dir / "metrics.jsonl", state.step)
         except OSError as e:
             raise ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})") from None
-    metrics = MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb) if d.is_main else None
+        metrics = MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb)
     log(f"device {device_name(device)} x {d.world_size} | preset {cfg.preset} | params {raw_model.num_params():,} "
         f"| dtype {cfg.dtype} | compile {cfg.compile} | kernels {cfg.kernels} | MFU "
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"))
@@ -259,54 +280,37 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     preemption = Preemption()
     model.train()
     first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
-    skips = consecutive_skips = 0
-    running_loss = torch.zeros((), device=device)
-    window_steps = 0  # updates applied since the last dashboard line
-    window_start = time.perf_counter()
+    pace = Pace()
     exit_code = 0
-    while step < cfg.max_steps:
-        lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    while state.step < cfg.max_steps:
+        lr = lr_at(state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        accum_loss = torch.zeros((), device=device)  # stays on device: no host sync per micro-step
-        for micro_step in range(cfg.grad_accum):
-            batch = loader.next()
-            distributed.set_grad_sync(model, micro_step == cfg.grad_accum - 1)
-            with autocast:
-                _, loss, _ = model(batch.x, labels=batch.y)
-            if step + 1 in FAULT_NAN_STEPS:
-                loss = loss * float("nan")
-            loss = loss / cfg.grad_accum  # so accumulated grads average like one big batch
-            scaler.scale(loss).backward()
-            accum_loss += loss.detach()
-        accum_loss = distributed.all_reduce_mean(accum_loss, d)  # every rank takes the same branch below
-        scaler.unscale_(optimizer)
-        grad_norm = distributed.clip_grad_norm_(raw_model.parameters(), cfg.max_grad_norm)
-        finite = torch.isfinite(accum_loss) & (torch.isfinite(grad_norm) | (cfg.dtype == "fp16"))
-        step += 1  # from here on, the number of this step as the log and the metrics count it
-        if cfg.on_nonfinite == "skip" and not finite.item():  # one sync per step, in skip mode only
-            skips, consecutive_skips = skips + 1, consecutive_skips + 1
-            log(f"step {step}: non-finite loss or gradient norm, update skipped ({consecutive_skips} in a row)")
-            if consecutive_skips >= cfg.max_skips:
-                log(f"fastpt: error: stopping at step {step}: {consecutive_skips} consecutive non-finite steps "
-                    "(max_skips)", file=sys.stderr)
+        result = train_step(model, optimizer, scaler, loader, cfg.grad_accum, autocast, cfg.max_grad_norm, d,
+                            skip_nonfinite=cfg.on_nonfinite == "skip")
+        state.step += 1  # from here on, the number of this step as the log and the metrics count it
+        if result.applied:
+            state.consecutive_skips = 0
+            first_bad_step = torch.where(~result.finite & (first_bad_step < 0), state.step, first_bad_step)
+            state.tokens_seen += tokens_per_step
+            state.window_loss += result.loss
+            state.window_steps += 1
+        else:
+            state.skipped_steps += 1
+            state.consecutive_skips += 1
+            log(f"step {state.step}: non-finite loss or gradient norm, update skipped "
+                f"({state.consecutive_skips} in a row)")
+            if state.consecutive_skips >= cfg.max_skips:
+                log(f"fastpt: error: stopping at step {state.step}: {state.consecutive_skips} consecutive "
+                    "non-finite steps (max_skips)", file=sys.stderr)
                 exit_code = 1
                 break
-        else:
-            consecutive_skips = 0
-            first_bad_step = torch.where(~finite & (first_bad_step < 0), step, first_bad_step)
-            scaler.step(optimizer)
-            tokens_seen += tokens_per_step
-            running_loss += accum_loss
-            window_steps += 1
-        scaler.update()
 
-        is_last = step == cfg.max_steps
+        is_last = state.step == cfg.max_steps
         preempted = distributed.any_rank(preemption.requested, d) if (
-            not d.enabled or step % cfg.log_every == 0) else False
-        log_now, eval_now = step % cfg.log_every == 0 or is_last, step % cfg.eval_every == 0 or is_last
-        ckpt_now = step % cfg.ckpt_every == 0 or is_last or preempted
+            not d.enabled or state.step % cfg.log_every == 0) else False
+        log_now, eval_now = state.step % cfg.log_every == 0 or is_last, state.step % cfg.eval_every == 0 or is_last
+        ckpt_now = state.step % cfg.ckpt_every == 0 or is_last or preempted
         # The stop-mode flag is read only here, so nothing is logged, evaluated or saved from bad weights.
         if (log_now or eval_now or ckpt_now) and (bad := int(first_bad_step)) >= 0:
             last = checkpoint.latest(run_dir)
@@ -315,69 +319,57 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                 file=sys.stderr)
             exit_code = 1
             break
-        if log_now and window_steps:  # in skip mode a window may hold no update at all
-            avg_loss = (running_loss / window_steps).item()
-            elapsed = time.perf_counter() - window_start
-            tok_s = window_steps * tokens_per_step / elapsed
+        if log_now and state.window_steps:  # in skip mode a window may hold no update at all
+            elapsed = pace.lap()
+            avg_loss = (state.window_loss / state.window_steps).item()
+            tok_s = state.window_steps * tokens_per_step / elapsed
             mem = peak_mem_gib(device)
-            eta = (cfg.max_steps - step) * elapsed / window_steps  # at the latest pace: compile time is behind us
+            eta = (cfg.max_steps - state.step) * elapsed / state.window_steps  # at the latest pace
             record = {
-                "step": step, "loss": avg_loss, "ppl": math.exp(min(avg_loss, 20.0)), "lr": lr,
-                "grad_norm": float(grad_norm), "tok_s": tok_s, "tok_s_per_gpu": tok_s / d.world_size,
-                "mfu": flops_per_step * window_steps / elapsed / d.world_size / peak if peak else None,
+                "step": state.step, "loss": avg_loss, "ppl": math.exp(min(avg_loss, 20.0)), "lr": lr,
+                "grad_norm": float(result.grad_norm), "tok_s": tok_s, "tok_s_per_gpu": tok_s / d.world_size,
+                "mfu": flops_per_step * state.window_steps / elapsed / d.world_size / peak if peak else None,
                 "peak_mem_gib": mem, "data_wait_pct": 100 * loader.wait_s / elapsed,
-                "tokens": tokens_seen, "skipped_steps": skips,
+                "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps,
             }
-            log(f"Step {step:5d}/{cfg.max_steps} | Loss: {avg_loss:.4f} | PPL: {record['ppl']:.2f} | "
+            log(f"Step {state.step:5d}/{cfg.max_steps} | Loss: {avg_loss:.4f} | PPL: {record['ppl']:.2f} | "
                 f"LR: {lr:.2e} | Norm: {record['grad_norm']:.3f} | Mem: {mem:.2f} GiB | "
                 f"Speed: {tok_s:,.0f} tok/s" + (f" | MFU: {record['mfu']:.1%}" if peak else "")
                 + f" | ETA {fmt_duration(eta)}", flush=True)
             if metrics:
                 metrics.log(record)
-            running_loss.zero_()
-            window_steps = 0
+            state.window_loss.zero_()
+            state.window_steps = 0
             loader.wait_s = 0.0
-            window_start = time.perf_counter()
 
-        # Evals and checkpoints are not training: their wall time (the first eval's compile too) is
-        # kept out of the window's tok/s and ETA. On a GPU a non-log step may still be in flight here.
-        paused = time.perf_counter()
-        if eval_now:
-            val_loss = evaluate(model, val_windows, cfg, device, autocast, d)
-            best_val = min(best_val, val_loss)
-            val_ppl = math.exp(min(val_loss, 20.0))
-            log(f"Step {step:5d}/{cfg.max_steps} | val loss {val_loss:.4f} | val PPL {val_ppl:.2f}")
-            if metrics:
-                metrics.log({"step": step, "val_loss": val_loss, "val_ppl": val_ppl})
-
-        if ckpt_now and not save_checkpoint() and (is_last or preempted):
-            exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
+        with pace.paused():  # on a GPU a non-log step may still be in flight here
+            if eval_now:
+                val_loss = evaluate(model, val_windows, cfg, device, autocast, d)
+                state.best_val_loss = min(state.best_val_loss, val_loss)
+                val_ppl = math.exp(min(val_loss, 20.0))
+                log(f"Step {state.step:5d}/{cfg.max_steps} | val loss {val_loss:.4f} | val PPL {val_ppl:.2f}")
+                if metrics:
+                    metrics.log({"step": state.step, "val_loss": val_loss, "val_ppl": val_ppl})
+            if ckpt_now and not save_checkpoint() and (is_last or preempted):
+                exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
         if preempted:
-            log(f"preempted: stopped after step {step}; continue with --resume")
+            log(f"preempted: stopped after step {state.step}; continue with --resume")
             break
-        window_start += time.perf_counter() - paused
     loader.close()
     if metrics:
         metrics.close()
     return exit_code
 
 
-def main(argv: list[str] | None = None) -> None:
-    d = None
+def main(argv: list[str] | None = None) -> int:
+    cli, config_file = parse_args(argv)
+    cfg = resolve(cli, config_file, pick_device(cli))
+    d = distributed.setup(cfg.device)
     try:
-        cli, config_file = parse_args(argv)
-        device_type = pick_device(cli)
-        cfg = resolve(cli, config_file, device_type)
-        d = distributed.setup(cfg.device)
-        code = train(cfg, d)
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"fastpt: error: {e}", file=sys.stderr)
-        code = 2
+        return train(cfg, d)
     finally:
-        if d is not None:
-            distributed.teardown(d)
-    sys.exit(code)
+        distributed.teardown(d)
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

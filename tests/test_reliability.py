@@ -21,13 +21,18 @@ import pytest
 from conftest import REPO, TINY, read_metrics, run_train
 from fastpt import checkpoint
 from fastpt.data import write_shard
+from fastpt.errors import run_command
 from fastpt.train import main
 
 FAULTY_TRAIN = r"""
 import os, resource, signal, sys, torch
-from fastpt import metrics, train
-fault, at = sys.argv[1], int(sys.argv[2])
-real_log, real_save = metrics.MetricsLogger.log, torch.save
+from fastpt import errors, metrics, model, train
+fault, at, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+steps = {int(s) for s in at.split(",")} if fault == "nan-at" else set()
+at = int(at) if at.isdigit() else None
+real_log, real_save, real_forward = metrics.MetricsLogger.log, torch.save, model.Transformer.forward
+accum = int(argv[argv.index("--grad-accum") + 1]) if "--grad-accum" in argv else 1
+train_forwards = 0
 
 def log(self, record):
     real_log(self, record)
@@ -41,15 +46,24 @@ def save(obj, f, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     real_save(obj, f, *args, **kwargs)
 
+def forward(self, idx, labels=None, kv_cache=None):  # "nan-at": poison the loss of these steps
+    global train_forwards
+    logits, loss, cache = real_forward(self, idx, labels, kv_cache)
+    if labels is not None and self.training:
+        train_forwards += 1
+        if (train_forwards - 1) // accum + 1 in steps:
+            loss = loss * float("nan")
+    return logits, loss, cache
+
 if fault == "file-size-limit":
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (at, resource.RLIM_INFINITY))
-metrics.MetricsLogger.log, torch.save = log, save
-train.main(sys.argv[3:])
+metrics.MetricsLogger.log, torch.save, model.Transformer.forward = log, save, forward
+errors.run_command(lambda: train.main(argv))
 """
 
 
-def run_faulty(fault: str, at: int, *args: str) -> subprocess.CompletedProcess:
+def run_faulty(fault: str, at: int | str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", FAULTY_TRAIN, fault, str(at), *args], capture_output=True,
                           text=True, timeout=300, env=env, cwd=REPO)
@@ -136,8 +150,7 @@ def test_preemption_checkpoints_exits_0_and_resumes(tiny_data, tmp_path, sig):
 
 def test_nonfinite_loss_stops_naming_the_step(tiny_data, tmp_path):
     # Checked at log / checkpoint steps only (no per-step sync): found at step 8, named as step 6.
-    result = run_train(*run_args(tiny_data, tmp_path, "--log-every", "4"),
-                       env={"FASTPT_FAULT_NAN_AT_STEP": "6"})
+    result = run_faulty("nan-at", "6", *run_args(tiny_data, tmp_path, "--log-every", "4"))
     assert result.returncode == 1
     assert ("fastpt: error: non-finite loss or gradient norm at step 6; stopped, the latest checkpoint "
             "(ckpt_00000004.pt) predates it") in result.stderr
@@ -146,8 +159,7 @@ def test_nonfinite_loss_stops_naming_the_step(tiny_data, tmp_path):
 
 
 def test_nonfinite_skip_mode_skips_counts_and_stops_after_max_skips(tiny_data, tmp_path):
-    result = run_train(*run_args(tiny_data, tmp_path, "--on-nonfinite", "skip", "--max-skips", "2"),
-                       env={"FASTPT_FAULT_NAN_AT_STEP": "3,5,6"})
+    result = run_faulty("nan-at", "3,5,6", *run_args(tiny_data, tmp_path, "--on-nonfinite", "skip", "--max-skips", "2"))
     assert "step 3: non-finite loss or gradient norm, update skipped (1 in a row)" in result.stdout
     assert "step 6: non-finite loss or gradient norm, update skipped (2 in a row)" in result.stdout
     assert result.returncode == 1
@@ -204,7 +216,7 @@ BAD_ARGS = {
 
 def fails_with(capsys, argv: list[str], expected: str) -> None:
     with pytest.raises(SystemExit) as stop:
-        main(argv)
+        run_command(lambda: main(argv))
     err = capsys.readouterr().err
     assert stop.value.code == 2
     assert err.startswith("fastpt: error: ") and err.count("\n") == 1, err
@@ -253,7 +265,7 @@ def test_unusable_run_folder(tiny_data, tmp_path, capsys):
     fails_with(capsys, base_args(tiny_data, tmp_path),
                "already holds a run (newest checkpoint ckpt_00000004.pt): add --resume to continue it")
     fails_with(capsys, base_args(tiny_data, tmp_path) + ["--resume"],
-               f"could not read checkpoint {tmp_path / 'ckpt_00000004.pt'}")
+               f"no checkpoint in {tmp_path} loads; newest: could not read checkpoint {tmp_path / 'ckpt_00000004.pt'}")
 
 
 def test_resume_with_another_model_names_the_difference(reference, tiny_data, capsys):
