@@ -1,0 +1,307 @@
+"""Hugging Face Llama folders <-> fastpt: config.json, weight names, the RoPE layout, tokenizer files.
+
+fastpt's RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... of each head; HF's LlamaForCausalLM
+rotates halves (x_i, x_{i + hd/2}). Export reorders each head's rows of wq and wk (the even rows,
+then the odd ones), so that HF's rotation meets exactly the features fastpt's rotates together:
+q.k is unchanged when q and k are permuted alike, and v and wo are untouched. Import undoes it.
+fastpt's own layout never changes. Reading and writing need only `safetensors`, not `transformers`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from fastpt.config import ModelConfig
+from fastpt.errors import CheckpointError, ConfigError, require
+from fastpt.model import Transformer
+from fastpt.tokenizer import EOT
+
+__all__ = ["from_hf_config", "from_hf_state_dict", "hf_tokenizer_path", "is_hf_dir", "load_hf", "save_hf",
+           "to_hf_config", "to_hf_state_dict"]
+
+BLOCK_NAMES = {  # fastpt name in a block -> HF name in a decoder layer
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# A tokenizer's end of text, first found wins; fastpt's own tokenizers have only EOT, both BOS and EOS.
+END_TOKENS = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+
+
+def name_map(cfg: ModelConfig) -> dict[str, str]:
+    """fastpt parameter name -> HF name, for every parameter of cfg's model."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    for i in range(cfg.n_layers):
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in BLOCK_NAMES.items()})
+    if not cfg.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    return names
+
+
+def relayout(name: str, w: torch.Tensor, cfg: ModelConfig, to_hf: bool) -> torch.Tensor:
+    """wq and wk with each head's rows moved between fastpt's RoPE pairs (0, 1), (2, 3), ... and HF's
+    halves (0, 2, 4, ..., 1, 3, 5, ...); every other weight as it is. w (heads * hd, dim)."""
+    heads = {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads}.get(name.split(".", 2)[-1])
+    if heads is None:
+        return w
+    hd, dim = w.shape[0] // heads, w.shape[1]
+    pairs_first = (heads, hd // 2, 2, dim) if to_hf else (heads, 2, hd // 2, dim)
+    return w.reshape(pairs_first).transpose(1, 2).reshape(w.shape)
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """fastpt's state dict as LlamaForCausalLM's (a tied head is the embedding, stored once)."""
+    return {theirs: relayout(ours, state[ours], cfg, to_hf=True).contiguous() for ours, theirs in name_map(cfg).items()}
+
+
+def from_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM's tensors as fastpt's fp32 state dict; a missing, misshapen or unknown
+    tensor is one line naming it."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    names = name_map(cfg)
+    # Old HF checkpoints store the RoPE table; a tied model may store its head twice.
+    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    unknown = [k for k in tensors if k not in names.values() and k not in ignored
+               and not k.endswith("rotary_emb.inv_freq")]
+    if unknown:
+        raise CheckpointError(f"{source}: unexpected tensor '{unknown[0]}' for a Llama of this config.json")
+    state = {}
+    for ours, theirs in names.items():
+        if theirs not in tensors:
+            raise CheckpointError(f"{source}: no tensor '{theirs}'")
+        w = tensors[theirs]
+        if w.shape != shapes[ours]:
+            raise CheckpointError(f"{source}: '{theirs}' has shape {list(w.shape)}, "
+                                  f"config.json says {list(shapes[ours])}")
+        state[ours] = relayout(ours, w, cfg, to_hf=False).float().contiguous()
+    return state
+
+
+def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict:
+    """LlamaForCausalLM's config.json for cfg, in the long-standing layout (top-level rope_theta,
+    torch_dtype) that transformers 4.x and 5.x, vLLM and lm-evaluation-harness all read."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": DTYPE_NAMES[dtype],
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True,
+    }
+
+
+def from_hf_config(c: dict, source: str) -> ModelConfig:
+    """The ModelConfig of a LlamaForCausalLM config.json; anything that would make HF compute
+    another function than fastpt's Llama is refused with one line naming the field.
+    Absent optional fields take LlamaConfig's defaults."""
+    def refuse(key: str, why: str):
+        raise ConfigError(f"{source}: '{key}' = {json.dumps(c.get(key))} is not supported: {why}")
+
+    def positive(key: str, default=None, kind: type | tuple = int):
+        value = c.get(key, default)
+        if not (isinstance(value, kind) and not isinstance(value, bool) and 0 < value < math.inf):
+            refuse(key, f"a positive {'integer' if kind is int else 'number'} is required")
+        return value
+
+    if c.get("model_type") != "llama":
+        refuse("model_type", "fastpt imports Llama-architecture models (model_type 'llama')")
+    if c.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
+        refuse("architectures", "fastpt imports LlamaForCausalLM")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if c.get(key, want) != want:
+            refuse(key, f"fastpt's Llama has {json.dumps(want)}")
+    if c.get("quantization_config") is not None:
+        refuse("quantization_config", "fastpt imports unquantized weights")
+    # transformers 4.x writes rope_theta and rope_scaling; 5.x writes rope_parameters.
+    rope_key = "rope_parameters" if c.get("rope_parameters") is not None else "rope_scaling"
+    rope = c.get(rope_key) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        refuse(rope_key, "fastpt's RoPE has no scaling (rope_type 'default' only)")
+    dim, heads = positive("hidden_size"), positive("num_attention_heads")
+    kv_heads = positive("num_key_value_heads", heads)
+    if dim % heads:
+        refuse("num_attention_heads", f"hidden_size {dim} is not divisible by it")
+    if heads % kv_heads:
+        refuse("num_key_value_heads", f"num_attention_heads {heads} is not divisible by it")
+    if c.get("head_dim") not in (None, dim // heads):
+        refuse("head_dim", f"fastpt's head dim is hidden_size / num_attention_heads = {dim // heads}")
+    cfg = ModelConfig(
+        vocab_size=positive("vocab_size"), dim=dim, ffn_dim=positive("intermediate_size"),
+        n_layers=positive("num_hidden_layers"), n_heads=heads, n_kv_heads=0 if kv_heads == heads else kv_heads,
+        max_seq_len=positive("max_position_embeddings", 2048), norm_eps=positive("rms_norm_eps", 1e-6, (int, float)),
+        rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0), (int, float)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+    )
+    try:
+        return cfg.check()  # what is left: a head dim RoPE cannot split in pairs
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model folder (fastpt run folders have config.toml, never config.json)."""
+    return (Path(path) / "config.json").is_file()
+
+
+def hf_tokenizer_path(hf_dir: str | Path) -> Path | None:
+    """The folder's tokenizer.json (what fastpt's tokenizer loader reads), None when it has none."""
+    path = Path(hf_dir) / "tokenizer.json"
+    return path if path.is_file() else None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value
+
+
+def read_safetensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of model.safetensors, or of the shards its index names."""
+    st = require("safetensors.torch", "importing Hugging Face weights", "safetensors")
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        files = sorted({hf_dir / name for name in read_json(index).get("weight_map", {}).values()})
+    elif (hf_dir / SINGLE_FILE).is_file():
+        files = [hf_dir / SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE} (fastpt reads safetensors weights only)")
+    tensors = {}
+    for file in files:
+        try:
+            tensors.update(st.load_file(file))
+        except Exception as e:  # safetensors reports a damaged file as its own SafetensorError
+            raise CheckpointError(f"could not read {file}: {e}") from None
+    return tensors
+
+
+def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The ModelConfig and fastpt-named fp32 state dict of a local LlamaForCausalLM folder
+    (config.json + model.safetensors, or shards with model.safetensors.index.json)."""
+    hf_dir = Path(hf_dir)
+    if not is_hf_dir(hf_dir):
+        raise ConfigError(f"{hf_dir}: not a Hugging Face model folder (no config.json)")
+    cfg = from_hf_config(read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
+    return cfg, from_hf_state_dict(read_safetensors(hf_dir), cfg, str(hf_dir))
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10**9, '500MiB' -> 500 * 2**20, '1000' -> 1000 bytes (units as transformers reads them)."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    upper = text.strip().upper()
+    unit = next((u for u in units if upper.endswith(u)), "")
+    try:
+        size = float(upper.removesuffix(unit)) * units.get(unit, 1)
+    except ValueError:
+        size = math.nan
+    if not (math.isfinite(size) and size >= 1):
+        raise ConfigError(f"'--max-shard-size' must be a size such as 5GB, 500MB or 2GiB, got {text!r}")
+    return int(size)
+
+
+def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors shards of at most max_shard_size bytes
+    each (a larger tensor gets a shard of its own) with model.safetensors.index.json."""
+    st = require("safetensors.torch", "exporting to Hugging Face", "safetensors")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        st.save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        st.save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def write_json(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte 0..255: the alphabet of byte-level BPE."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
+
+
+def bytes_tokenizer():
+    """fastpt's raw-bytes tokenizer as a Hugging Face `tokenizers` one: a byte-level BPE with no
+    merges, so token b is byte b, and 256 is the end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={ch: b for b, ch in enumerate(byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT])
+    return tok
+
+
+def hf_tokenizer(tokenizer_json: Path):
+    """A fastpt tokenizer.json as a Hugging Face `tokenizers` Tokenizer: a Hugging Face one as it is,
+    raw bytes as a byte-level BPE; None for a kind that has no such twin (char, tiktoken)."""
+    from tokenizers import Tokenizer
+
+    text = tokenizer_json.read_text(encoding="utf-8")
+    kind = json.loads(text).get("type")  # fastpt's own kinds; a Hugging Face tokenizer.json has no "type"
+    if kind == "bytes":
+        return bytes_tokenizer()
+    return None if kind else Tokenizer.from_str(text)
+
+
+def save_tokenizer(tok, doc_id: int | None, out: Path, max_seq_len: int) -> tuple[int | None, int | None]:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json that AutoTokenizer loads and
+    that encode text as fastpt does. Returns the (BOS, EOS) ids: BOS is `doc_id`, the token fastpt
+    starts every document with; EOS the tokenizer's end-of-text token, else the same one."""
+    tok.save(str(out / "tokenizer.json"))
+    bos = tok.id_to_token(doc_id) if doc_id is not None else None
+    eos = next((t for t in END_TOKENS if tok.token_to_id(t) is not None), bos)
+    special = {name: t for name, t in (("bos_token", bos), ("eos_token", eos)) if t is not None}
+    write_json(out / "special_tokens_map.json", special)
+    # clean_up_tokenization_spaces would rewrite " ." to "." on decode: text must come back as it went in.
+    write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **special,
+                                               "model_max_length": max_seq_len, "clean_up_tokenization_spaces": False})
+    return doc_id, None if eos is None else tok.token_to_id(eos)
+
+
+def save_hf(out: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+            tokenizer=None, doc_id: int | None = None, max_shard_size: int = 5 * 10**9) -> None:
+    """Write a LlamaForCausalLM folder into `out` (created if missing): config.json,
+    generation_config.json, safetensors weights in `dtype`, and the tokenizer files when given a
+    `tokenizers` Tokenizer (see hf_tokenizer) and the id fastpt starts documents with."""
+    out.mkdir(parents=True, exist_ok=True)
+    bos_id, eos_id = save_tokenizer(tokenizer, doc_id, out, cfg.max_seq_len) if tokenizer else (None, None)
+    write_json(out / "config.json", to_hf_config(cfg, dtype, bos_id, eos_id))
+    write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    tensors = {k: v.detach().to("cpu", dtype) for k, v in to_hf_state_dict(state, cfg).items()}
+    save_weights(tensors, out, max_shard_size)
