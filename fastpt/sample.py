@@ -1,4 +1,4 @@
-"""Generate text from a run's newest checkpoint: python -m fastpt.sample --ckpt RUN_DIR [--prompt TEXT]
+"""Generate text from a fastpt model: python -m fastpt.sample --ckpt RUN_DIR|CKPT|HF_DIR [--prompt TEXT]
 
 The prompt is prefilled into the model's KV cache in one forward pass, then tokens are decoded
 one at a time, each step attending to the cached keys and values instead of the whole text.
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from fastpt import checkpoint, distributed
-from fastpt.checkpoint import CheckpointError
-from fastpt.config import ModelConfig
+from fastpt import checkpoint, hf
+from fastpt.config import FIELDS, NON_NEGATIVE, POSITIVE, ArgumentParser, ModelConfig
+from fastpt.errors import CheckpointError, ConfigError, DataError, run_command
 from fastpt.model import Transformer
 from fastpt.tokenizer import load_tokenizer
 
@@ -48,16 +48,24 @@ def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperatur
     return out
 
 
-def find_tokenizer(run_dir: Path, train_config: dict) -> Path:
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint file or FSDP shard directory as given; of a run folder, its newest checkpoint."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file() or checkpoint.NAME.match(path.name):
+        return path
+    found = checkpoint.latest(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {path} (train with --out {path} first)")
+    return found
+
+
+def find_tokenizer(ckpt_path: Path, train_config: dict) -> Path | None:
     """The run's own copy of tokenizer.json, else the one in the data folder it trained on."""
-    candidates = [run_dir / "tokenizer.json"]
+    candidates = [ckpt_path.parent / "tokenizer.json"]
     if train_config.get("data"):
         candidates.append(Path(train_config["data"]) / "tokenizer.json")
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise SystemExit(f"fastpt.sample: no tokenizer.json in {' or '.join(str(p.parent) for p in candidates)}; "
-                     "pass --tokenizer FILE (a tokenizer.json from fastpt.prepare or Hugging Face)")
+    return next((p for p in candidates if p.is_file()), None)
 
 
 def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
@@ -65,55 +73,97 @@ def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
     Kernels follow this device ("auto"): a run that forced Triton on a GPU still samples on a CPU."""
     ckpt = checkpoint.load(path, device)
     model = Transformer(ModelConfig.from_dict(ckpt["model_config"])).to(device)
-    distributed.load_state(path, ckpt, model)
+    checkpoint.load_state(path, ckpt, model)
     return model.eval(), ckpt
 
 
+def load_hf_model(hf_dir: Path, device: torch.device) -> Transformer:
+    """The model of a Hugging Face Llama folder (one that fastpt.export wrote, or any it can import)."""
+    cfg, state = hf.load_hf(hf_dir)
+    model = Transformer(cfg)
+    model.load_state_dict(state)
+    return model.to(device).eval()
+
+
+def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | None, str]:
+    """The model at `path` (a Hugging Face folder, a checkpoint, or a run folder's newest), the
+    tokenizer.json found beside it (None if none), and a line that says what was loaded."""
+    if hf.is_hf_dir(path):
+        model = load_hf_model(path, device)
+        return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face Llama, {model.num_params():,} params"
+    ckpt_path = find_checkpoint(path)
+    model, ckpt = load_model(ckpt_path, device)
+    about = f"{ckpt_path}: step {ckpt['step']}, {model.num_params():,} params"
+    return model, find_tokenizer(ckpt_path, ckpt.get("train_config", {})), about
+
+
+def pick_tokenizer(given: str | Path | None, found: Path | None) -> Path | None:
+    """The --tokenizer file when one is given (it must exist), else the one found beside the model."""
+    if not given:
+        return found
+    if not Path(given).exists():
+        raise DataError(f"'--tokenizer' {given}: no such file or folder")
+    return Path(given)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m fastpt.sample", description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", required=True, metavar="RUN_DIR", help="run folder (its newest checkpoint is used)")
+    ap = ArgumentParser(prog="python -m fastpt.sample", description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", required=True, metavar="PATH",
+                    help="a run folder (its newest checkpoint), a checkpoint file or FSDP directory, "
+                         "or a Hugging Face Llama folder")
     ap.add_argument("--prompt", default="", help="text to continue; '' = start a new document (default: %(default)r)")
+    ap.add_argument("--num-samples", type=int, default=1, help="samples to draw (default: %(default)r)")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: %(default)r)")
-    ap.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: %(default)r)")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="softmax temperature; 0 = greedy (default: %(default)r)")
     ap.add_argument("--top-k", type=int, default=200,
                     help="sample among the k most likely tokens; 0 = all (default: %(default)r)")
     ap.add_argument("--tokenizer", default="",
-                    help="a tokenizer.json; '' = the run's, else its data folder's (default: %(default)r)")
+                    help="a tokenizer.json; '' = the one beside the model, else the run's data folder's "
+                         "(default: %(default)r)")
     ap.add_argument("--device", choices=("", "cpu", "cuda"), default="",
                     help="'' = cuda if available, else cpu (default: %(default)r)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (default: %(default)r)")
     ap.add_argument("--seed", type=int, default=1337, help="random seed for sampling (default: %(default)r)")
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-        ap.error("--max-new-tokens must be >= 1, --temperature and --top-k >= 0")
+    limits = {"num_samples": POSITIVE, "max_new_tokens": POSITIVE, "temperature": NON_NEGATIVE,
+              "top_k": NON_NEGATIVE, "seed": FIELDS["seed"].metadata["domain"]}
+    for name, domain in limits.items():
+        if getattr(args, name) not in domain:
+            raise ConfigError(f"'--{name.replace('_', '-')}' must be {domain}, got {getattr(args, name)!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda, but torch sees no CUDA device")
+        raise ConfigError("'--device' = 'cuda', but torch sees no CUDA device")
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    run_dir = Path(args.ckpt)
-    path = checkpoint.latest(run_dir)
-    if path is None:
-        raise SystemExit(f"fastpt.sample: no checkpoint in {run_dir} (train with --out {run_dir} first)")
+def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    try:
-        model, ckpt = load_model(path, device)
-    except CheckpointError as e:
-        raise SystemExit(f"fastpt.sample: {e}") from None
-    tokenizer = load_tokenizer(args.tokenizer or find_tokenizer(run_dir, ckpt.get("train_config", {})))
-    print(f"{path}: step {ckpt['step']}, {model.num_params():,} params, on {device}", file=sys.stderr)
+    model, found, about = open_model(Path(args.ckpt), device)
+    tokenizer_path = pick_tokenizer(args.tokenizer, found)
+    if tokenizer_path is None:
+        raise DataError(f"no tokenizer.json beside {args.ckpt} or in its data folder; pass --tokenizer FILE "
+                        "(a tokenizer.json from fastpt.prepare or Hugging Face)")
+    tokenizer = load_tokenizer(tokenizer_path)
+    print(f"{about}, on {device}", file=sys.stderr)
 
-    # Training documents start with end-of-text, so a prompt continues from one as well.
+    # Every training document starts with the tokenizer's document token (eot_id), so a prompt does too.
     ids = ([tokenizer.eot_id] if tokenizer.eot_id is not None else []) + tokenizer.encode_batch([args.prompt])[0]
     if not ids:
-        raise SystemExit("fastpt.sample: empty prompt and the tokenizer has no end-of-text token; give --prompt")
+        raise DataError(f"{tokenizer_path} has no token to start a document with; give --prompt")
+    if max(ids) >= model.cfg.vocab_size:
+        raise DataError(f"{tokenizer_path} gives token id {max(ids)}, beyond the model's vocab of "
+                        f"{model.cfg.vocab_size}: not this model's tokenizer")
     torch.manual_seed(args.seed)
     # Every decode step has a new cache length: dynamic shapes compile once instead of once per length.
     forward = torch.compile(model, dynamic=True) if args.compile else model
-    out = generate(forward, ids, args.max_new_tokens, args.temperature, args.top_k)
-    print(tokenizer.decode(out))
+    for i in range(args.num_samples):
+        if i:
+            print("-" * 40)
+        print(tokenizer.decode(generate(forward, ids, args.max_new_tokens, args.temperature, args.top_k)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_command(lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -96,9 +96,42 @@ def test_compiled_generation_matches_eager(run_dir):
     assert sample.generate(compiled, prompt, 12, temperature=0) == sample.generate(model, prompt, 12, temperature=0)
 
 
-def test_sample_without_a_checkpoint_says_so(tmp_path):
-    with pytest.raises(SystemExit, match="no checkpoint in"):
-        sample.main(["--ckpt", str(tmp_path)])
+def sample_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main(args)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsys):
+    ckpt = checkpoint.latest(run_dir)
+    code, out, err = sample_cli(["--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--device", "cpu",
+                                 "--num-samples", "3"], capsys)
+    assert code == 0, err
+    samples = out.split("-" * 40 + "\n")
+    assert len(samples) == 3 and all(s.startswith("def ") for s in samples)
+    assert len(set(samples)) > 1  # drawn one after another from the seeded generator, not repeated
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--top-k", "-1"], "--top-k"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--num-samples", "0"], "--num-samples"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", "x"], "--seed"),
+    (["--tokenizer", "missing.json"], "missing.json"),
+    (["--tokenizer", "RUN/metrics.jsonl"], "metrics.jsonl"),
+    (["--ckpt", "no/such/run"], "no/such/run"),
+    (["--ckpt", "EMPTY"], "no checkpoint in"),
+    (["--ckpt", "RUN/config.toml"], "config.toml"),
+])
+def test_sample_mistakes_are_one_line(run_dir, tmp_path, capsys, args, named):
+    args = [a.replace("RUN", str(run_dir)).replace("EMPTY", str(tmp_path)) for a in args]
+    code, _, err = sample_cli(["--ckpt", str(run_dir), "--device", "cpu", *args], capsys)
+    assert code == 2 and err.startswith("fastpt: error: ") and err.count("\n") == 1, err
+    assert named in err
 
 
 def test_plot_writes_a_png(run_dir):
@@ -148,8 +181,8 @@ def test_train_help_documents_every_config_field(capsys):
 
 @pytest.mark.parametrize("module, options", [
     (prepare, ["--out", "--tokenizer", "--vocab-size", "inputs"]),
-    (sample, ["--ckpt", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--tokenizer", "--device",
-              "--compile", "--seed"]),
+    (sample, ["--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--tokenizer",
+              "--device", "--compile", "--seed"]),
     (plot, ["RUN_DIR"]),
 ])
 def test_every_command_help_lists_its_options(module, options, capsys):
