@@ -1,0 +1,241 @@
+"""Hugging Face export and import: transformers computes fastpt's logits and fastpt computes HF's,
+tokenizers encode alike, and what cannot be converted is refused with one line."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY, run_train
+from fastpt import export, hf, sample
+from fastpt.config import PRESETS, ModelConfig
+from fastpt.errors import CheckpointError, ConfigError
+from fastpt.model import Transformer
+from fastpt.tokenizer import ByteTokenizer, load_tokenizer
+
+# Small, with a non-default RoPE base and epsilon so that a lost field shows in the logits.
+SMALL = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=64,
+                    norm_eps=1e-5, rope_theta=5000.0)
+TEXT = "def f(x):\n    return {'ä': x ** 2}  # ✓ 🙂\n\n\tclass A: pass"
+
+
+def randomize_norms(model: torch.nn.Module) -> None:
+    """Norm weights away from 1, so that a swapped or lost norm changes the logits."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(1.0, 0.2)
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids)[0] if isinstance(model, Transformer) else model(ids).logits  # (B, T, V)
+
+
+def run_cli(main, args: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *words: str) -> None:
+    assert code == 2 and err.startswith("fastpt: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and all(w in err for w in words), err
+
+
+@pytest.fixture(scope="module")
+def run_dir(bpe_data, tmp_path_factory):
+    """A 3-step tiny run on a BPE corpus: a checkpoint and the run's tokenizer.json."""
+    out = tmp_path_factory.mktemp("hf") / "run"
+    result = run_train("--data", str(bpe_data), "--out", str(out), *TINY, "--max-steps", "3")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(run_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf") / "export"
+    export.export(run_dir, out)
+    return out
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("n_kv_heads", [0, 2], ids=["mha", "gqa"])
+def test_transformers_computes_the_logits_of_an_export(tmp_path, n_kv_heads, tie):
+    cfg = dataclasses.replace(SMALL, n_kv_heads=n_kv_heads, tie_embeddings=tie)
+    torch.manual_seed(0)
+    ours = Transformer(cfg).eval()
+    randomize_norms(ours)
+    hf.save_hf(tmp_path, cfg, ours.state_dict(), max_shard_size=40_000)  # sharded, with an index
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, cfg.vocab_size, (3, 48))
+    torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-4, rtol=0)
+    assert theirs.num_parameters() == ours.num_params()
+    weight_map = json.loads((tmp_path / hf.INDEX_FILE).read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1 and ("lm_head.weight" in weight_map) is not tie
+
+
+def assert_export_computes_the_checkpoint(ckpt, folder) -> None:
+    ours, _ = sample.load_model(ckpt, torch.device("cpu"))
+    theirs = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 64))
+    torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-4, rtol=0)
+
+
+def test_export_of_a_trained_run(run_dir, exported):
+    assert_export_computes_the_checkpoint(sample.find_checkpoint(run_dir), exported)
+    config = json.loads((exported / "config.json").read_text())
+    eot = load_tokenizer(run_dir / "tokenizer.json").eot_id
+    assert config["bos_token_id"] == config["eos_token_id"] == eot and config["torch_dtype"] == "float32"
+
+
+@pytest.mark.slow
+def test_export_of_an_fsdp_checkpoint_directory(bpe_data, tmp_path):
+    run = tmp_path / "fsdp"
+    result = run_train("--data", str(bpe_data), "--out", str(run), *TINY, "--max-steps", "2", "--parallel", "fsdp",
+                       nproc=2)
+    assert result.returncode == 0, result.stderr
+    shards = sample.find_checkpoint(run)
+    assert shards.is_dir()  # DCP shards from both ranks
+    export.export(shards, tmp_path / "hf")
+    assert_export_computes_the_checkpoint(shards, tmp_path / "hf")
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()  # found in the run folder above the shards
+
+
+def test_auto_tokenizer_encodes_like_fastpt(run_dir, exported):
+    ours = load_tokenizer(run_dir / "tokenizer.json")
+    theirs = AutoTokenizer.from_pretrained(exported)
+    texts = [TEXT, "import os\nprint(os.getcwd())\n"]
+    ids = ours.encode_batch(texts)
+    assert theirs(texts)["input_ids"] == ids  # no BOS added: fastpt's ids exactly
+    assert theirs.eos_token_id == theirs.bos_token_id == ours.eot_id
+    assert theirs.decode(ids[0]) == ours.decode(ids[0]) == TEXT
+
+
+def test_a_bytes_tokenizer_exports_as_a_byte_level_bpe(tmp_path):
+    ByteTokenizer().save(tmp_path / "bytes.json")
+    assert hf.save_tokenizer(hf.hf_tokenizer(tmp_path / "bytes.json"), 256, tmp_path, 64) == (256, 256)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    assert theirs(TEXT)["input_ids"] == ByteTokenizer().encode_batch([TEXT])[0] == list(TEXT.encode())
+    assert theirs.eos_token_id == 256 and theirs.decode(list(TEXT.encode())) == TEXT
+    assert load_tokenizer(tmp_path / "tokenizer.json").encode_batch([TEXT])[0] == list(TEXT.encode())
+
+
+def test_a_tokenizer_without_a_hugging_face_twin_exports_the_weights_alone(run_dir, tmp_path, capsys):
+    (tmp_path / "char.json").write_text(json.dumps({"type": "char", "chars": "abc", "eot": True}))
+    export.export(run_dir, tmp_path / "hf", tokenizer=tmp_path / "char.json")
+    assert "fastpt: warning:" in capsys.readouterr().err
+    assert not (tmp_path / "hf" / "tokenizer.json").exists() and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_greedy_sampling_from_the_export_equals_the_checkpoint(run_dir, exported, capsys):
+    def greedy(path) -> str:
+        code, out, err = run_cli(sample.main, ["--ckpt", str(path), "--prompt", "def ", "--temperature", "0",
+                                               "--max-new-tokens", "24", "--device", "cpu"], capsys)
+        assert code == 0, err
+        return out
+
+    assert greedy(exported) == greedy(run_dir)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_transformers_llama_imports_with_its_logits_and_exports_back(tmp_path, tie):
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(config).eval()
+    randomize_norms(theirs)
+    theirs.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    cfg, state = hf.load_hf(tmp_path / "hf")
+    assert cfg == dataclasses.replace(SMALL, n_kv_heads=2, tie_embeddings=tie)
+    ours = Transformer(cfg).eval()
+    ours.load_state_dict(state)
+    ids = torch.randint(0, cfg.vocab_size, (3, 48))
+    torch.testing.assert_close(logits(ours, ids), logits(theirs, ids), atol=1e-4, rtol=0)
+
+    hf.save_hf(tmp_path / "back", cfg, state)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    expected = {k: v for k, v in theirs.state_dict().items() if not (tie and k == "lm_head.weight")}
+    assert back.keys() == expected.keys()
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
+def write_config(folder, **changes) -> None:
+    """SMALL's exported config.json with fields changed (None removes one)."""
+    folder.mkdir(exist_ok=True)
+    config = {**hf.to_hf_config(SMALL, torch.float32, 0, 0), **changes}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("model_type", "mistral"),
+    ("architectures", ["LlamaForSequenceClassification"]),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("hidden_act", "gelu"),
+    ("head_dim", 32),
+    ("hidden_size", None),
+    ("num_attention_heads", 5),
+    ("num_key_value_heads", 3),
+    ("rms_norm_eps", "1e-5"),
+    ("quantization_config", {"quant_method": "bitsandbytes"}),
+])
+def test_an_unsupported_config_is_refused_naming_the_field(tmp_path, field, value):
+    write_config(tmp_path, **{field: value})
+    with pytest.raises(ConfigError, match=f"'{field}'") as error:
+        hf.load_hf(tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_weights_that_do_not_match_the_config_are_refused_naming_the_tensor(tmp_path):
+    hf.save_hf(tmp_path, SMALL, Transformer(SMALL).state_dict())
+    write_config(tmp_path, intermediate_size=128)
+    with pytest.raises(CheckpointError, match="'model.layers.0.mlp.gate_proj.weight' has shape"):
+        hf.load_hf(tmp_path)
+    write_config(tmp_path, num_hidden_layers=3)
+    with pytest.raises(CheckpointError, match="no tensor 'model.layers.2.input_layernorm.weight'"):
+        hf.load_hf(tmp_path)
+
+
+def test_export_refuses_to_overwrite_unless_asked(run_dir, tmp_path, capsys):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    assert_one_line_error(*run_cli(export.main, [str(run_dir), "--out", str(out)], capsys)[::2], "--overwrite")
+    assert_one_line_error(*run_cli(export.main, [str(run_dir), "--out", str(run_dir), "--overwrite"], capsys)[::2],
+                          "holds the checkpoint")
+    assert_one_line_error(*run_cli(export.main, [str(run_dir), "--out", str(out), "--max-shard-size", "lots"],
+                                   capsys)[::2], "--max-shard-size")
+    code, _, err = run_cli(export.main, [str(sample.find_checkpoint(run_dir)), "--out", str(out), "--overwrite",
+                                         "--dtype", "bf16"], capsys)
+    assert code == 0, err
+    assert not (out / "notes.txt").exists()
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
+def test_export_help_lists_its_options(capsys):
+    code, out, _ = run_cli(export.main, ["--help"], capsys)
+    assert code == 0
+    for option in ("RUN_DIR_OR_CKPT", "--out", "--dtype", "--max-shard-size", "--tokenizer", "--overwrite"):
+        assert option in out
+
+
+def test_preset_parameter_counts():
+    with torch.device("meta"):
+        assert Transformer(PRESETS["1b"]).num_params() == 1_100_048_384  # TinyLlama-1.1B
+        tinyllama = LlamaForCausalLM(LlamaConfig(**hf.to_hf_config(PRESETS["1b"], torch.bfloat16, 1, 2)))
+    assert tinyllama.num_parameters() == 1_100_048_384
+    for name, cfg in PRESETS.items():
+        cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 257)  # tiny takes the data's vocab
+        with torch.device("meta"):
+            assert Transformer(cfg).num_params() == cfg.num_params(), name
