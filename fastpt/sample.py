@@ -98,12 +98,14 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
 
 
 def pick_tokenizer(given: str | Path | None, found: Path | None) -> Path | None:
-    """The --tokenizer file when one is given (it must exist), else the one found beside the model."""
+    """The --tokenizer file (or the tokenizer.json in a --tokenizer folder) when one is given, else
+    the one found beside the model."""
     if not given:
         return found
-    if not Path(given).exists():
-        raise DataError(f"'--tokenizer' {given}: no such file or folder")
-    return Path(given)
+    path = Path(given) / "tokenizer.json" if Path(given).is_dir() else Path(given)
+    if not path.is_file():
+        raise DataError(f"'--tokenizer' {path}: no such file")
+    return path
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
