@@ -113,9 +113,10 @@ class Interval:
         return math.isfinite(value) and above and below
 
     def __str__(self) -> str:
+        low, high = (str(int(v)) if math.isfinite(v) and v == int(v) else f"{v:g}" for v in (self.low, self.high))
         if self.high == math.inf:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
 
 
 POSITIVE = Interval(0, low_open=True)
@@ -185,7 +186,7 @@ class TrainConfig:
     on_nonfinite: str = setting("stop", "on a NaN/inf loss or gradient: stop, or skip the update",
                                 choices=("stop", "skip"))
     max_skips: int = setting(10, "stop after this many skipped updates in a row", domain=POSITIVE)
-    seed: int = setting(1337, "seed for init and data order", domain=Interval(0, 2**63 - 1))
+    seed: int = setting(1337, "seed for init and data order", domain=Interval(0, 2**32 - 1))  # NumPy's range
     tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
     wandb: str = setting("", "Weights & Biases project to log to; '' = off")
 

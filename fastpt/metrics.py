@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import re
 import resource
 import sys
@@ -87,7 +89,7 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, config: dict, tensorboard: bool = False, wandb_project: str = ""):
         self.path = run_dir / "metrics.jsonl"
-        self.file = open(self.path, "a")
+        self.file = open(self.path, "ab", buffering=0)  # each record one write(2), nothing held back
         self.tb = self.wandb = None
         self.failed = False
         if tensorboard:
@@ -99,9 +101,12 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         step = record["step"]
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        line = (json.dumps(record) + "\n").encode()
+        end = self.file.seek(0, os.SEEK_END)
         try:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            if self.file.write(line) != len(line):
+                self.file.truncate(end)  # a record is whole or absent, never half a line
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             if self.tb is not None:
                 for k, v in scalars.items():
                     self.tb.add_scalar(k, v, step)

@@ -1,15 +1,19 @@
-"""Reliability (issue 5): exact resume after a hard kill, atomic checkpoints, preemption, the
-non-finite guard, a failed checkpoint write, and one clear line for every bad input.
+"""Reliability: exact resume after a hard kill, atomic checkpoints, preemption, the non-finite
+guard, a full disk, one owner per run folder, and one clear line for every bad input.
 
 Faults are injected from outside the trainer's code: FAULTY_TRAIN runs `fastpt.train` with a
-SIGKILL at a chosen point (after a logged step, or halfway through writing a checkpoint) or
-with a file-size limit that makes big writes fail like a full disk (EFBIG, also for root).
+SIGKILL at a chosen point (during a step, after a logged step, or halfway through writing a
+checkpoint), NaN losses at chosen steps, a disk that fills up after a step, or a file-size limit
+that makes big writes fail like a full disk (EFBIG, also for root).
 """
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import REPO, TINY, read_metrics, run_train
-from fastpt import checkpoint
+from fastpt import checkpoint, metrics
 from fastpt.data import write_shard
 from fastpt.errors import run_command
 from fastpt.train import main
@@ -38,6 +43,14 @@ def log(self, record):
     real_log(self, record)
     if fault == "kill-after-step" and record["step"] == at:
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "fill-disk-after-step" and record["step"] == at:
+        with open(self.path.parent / "filler", "wb") as f:  # until the filesystem says ENOSPC
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
 
 def save(obj, f, *args, **kwargs):
     if fault == "kill-in-save" and obj["step"] == at:
@@ -46,13 +59,16 @@ def save(obj, f, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     real_save(obj, f, *args, **kwargs)
 
-def forward(self, idx, labels=None, kv_cache=None):  # "nan-at": poison the loss of these steps
+def forward(self, idx, labels=None, kv_cache=None):
     global train_forwards
-    logits, loss, cache = real_forward(self, idx, labels, kv_cache)
     if labels is not None and self.training:
         train_forwards += 1
-        if (train_forwards - 1) // accum + 1 in steps:
-            loss = loss * float("nan")
+        step = (train_forwards - 1) // accum + 1
+        if fault == "kill-at-step" and step == at:  # in the middle of the step, before its update
+            os.kill(os.getpid(), signal.SIGKILL)
+    logits, loss, cache = real_forward(self, idx, labels, kv_cache)
+    if labels is not None and self.training and step in steps:  # "nan-at": poison these steps' losses
+        loss = loss * float("nan")
     return logits, loss, cache
 
 if fault == "file-size-limit":
@@ -101,15 +117,29 @@ def test_reference_run_keeps_the_last_k_checkpoints(reference):
     assert [s for s, _ in losses(reference)] == list(range(1, 11))
 
 
-def test_resume_after_sigkill_is_bit_identical(tiny_data, tmp_path, reference):
-    killed = run_faulty("kill-after-step", 7, *run_args(tiny_data, tmp_path))
-    assert killed.returncode == -signal.SIGKILL
-    assert ckpt_names(tmp_path) == ["ckpt_00000004.pt"]
-    resumed = run_train(*run_args(tiny_data, tmp_path), "--resume")
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock fields: what a resumed run must reproduce exactly."""
+    timing = {"tok_s", "tok_s_per_gpu", "mfu", "peak_mem_gib", "data_wait_pct"}
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
+
+
+@pytest.mark.parametrize("log_every, ckpt_every", [(1, 4), (3, 4), (4, 3), (5, 2)])
+def test_resume_after_sigkill_logs_what_the_uninterrupted_run_logs(tiny_data, tmp_path, log_every, ckpt_every):
+    """SIGKILL in the middle of a random step, resume: every record (loss averaged over a log window
+    that straddles the checkpoint too, lr, grad norm, tokens, val loss) equals the uninterrupted run's."""
+    every = ("--log-every", str(log_every), "--ckpt-every", str(ckpt_every))
+    reference = run_train(*run_args(tiny_data, tmp_path / "reference", *every))
+    assert reference.returncode == 0, reference.stderr
+    kill_at = random.randint(ckpt_every + 1, 10)
+    run_dir = tmp_path / "run"
+    killed = run_faulty("kill-at-step", kill_at, *run_args(tiny_data, run_dir, *every))
+    assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stderr)
+    resumed = run_train(*run_args(tiny_data, run_dir, *every), "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert "at step 4" in resumed.stdout
-    # Steps 5-7 were logged twice (killed run, then the resumed one); metrics.jsonl keeps the redo.
-    assert losses(tmp_path) == losses(reference)
+    saved_at = (kill_at - 1) // ckpt_every * ckpt_every
+    assert f"at step {saved_at}" in resumed.stdout, kill_at
+    assert records(run_dir) == records(tmp_path / "reference"), f"killed in step {kill_at}"
 
 
 def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tiny_data, tmp_path, reference):
@@ -211,6 +241,22 @@ BAD_ARGS = {
     "zero micro-batch": (["--micro-batch", "0"], "'micro_batch' must be > 0, got 0"),
     "fp16 on cpu": (["--dtype", "fp16"], "'dtype' = 'fp16' needs a CUDA device (got cpu)"),
     "seq_len > data": (["--seq-len", "100000"], "seq_len 100000 is longer than the data"),
+    "nan lr": (["--lr", "nan"], "'lr' must be > 0 (a finite number), got nan"),
+    "inf lr": (["--lr", "inf"], "'lr' must be > 0 (a finite number), got inf"),
+    "beta1 1.5": (["--beta1", "1.5"], "'beta1' must be in [0, 1), got 1.5"),
+    "negative seed": (["--seed", "-1"], "'seed' must be in [0, 4294967295], got -1"),
+    "floor above peak": (["--min-lr-ratio", "2"], "'min_lr_ratio' must be in [0, 1], got 2.0"),
+    "zero eps": (["--eps", "0"], "'eps' must be > 0, got 0.0"),
+    "negative clip": (["--max-grad-norm", "-1"], "'max_grad_norm' must be >= 0, got -1.0"),
+    "zero eval tokens": (["--eval-tokens", "0"], "'eval_tokens' must be > 0, got 0"),
+    "bad choice": (["--decay-rule", "all"], "'decay_rule' = 'all' is not one of 'ndim', 'strict'"),
+    "heads do not divide dim": (["--n-heads", "3"], "'dim' = 128 is not divisible by 'n_heads' = 3"),
+    "kv heads do not divide heads": (["--n-kv-heads", "3"], "'n_heads' = 4 is not divisible by 'n_kv_heads' = 3"),
+    "odd head dim": (["--dim", "100"], "head dim 25 (dim 100 / n_heads 4) must be even for RoPE"),
+    "no layers": (["--n-layers", "0"], "'n_layers' must be > 0, got 0"),
+    "vocab below the data's": (["--vocab-size", "100"], "'vocab_size' = 100 is smaller than the data's vocab (257)"),
+    "seq_len > max_seq_len": (["--max-seq-len", "16"], "'seq_len' = 32 is longer than 'max_seq_len' = 16"),
+    "nan norm eps": (["--norm-eps", "nan"], "'norm_eps' must be a finite number > 0, got nan"),
 }
 
 
@@ -242,11 +288,29 @@ def test_bad_argument_is_one_line(case, tiny_data, tmp_path, capsys):
     fails_with(capsys, base_args(tiny_data, tmp_path) + extra, expected)
 
 
-def test_unknown_toml_key_suggests_the_nearest(tiny_data, tmp_path, capsys):
+def test_triton_kernels_without_a_gpu_or_the_interpreter(tiny_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fails_with(capsys, base_args(tiny_data, tmp_path) + ["--kernels", "triton"],
+               "'kernels' = 'triton' cannot run here")
+
+
+BAD_TOML = {
+    "wrong type": ('lr = "fast"\n', "'lr' must be float, got 'fast'"),
+    "not TOML": ("lr = = 1\n", "not valid TOML"),
+    "binary": ("\x00\xff\xfe garbage", "not valid TOML"),
+    "unknown key": ("max_steps = 10\nwarmup_step = 2\n", "unknown config key 'warmup_step' (did you mean 'warmup_steps'?)"),
+    "bad shape": ("n_layers = 0\n", "'n_layers' must be > 0, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TOML)
+def test_bad_config_file_is_one_line(case, tiny_data, tmp_path, capsys):
+    text, expected = BAD_TOML[case]
     config = tmp_path / "run.toml"
-    config.write_text("max_steps = 10\nwarmup_step = 2\n")
-    fails_with(capsys, base_args(tiny_data, tmp_path) + ["--config", str(config)],
-               f"{config}: unknown config key 'warmup_step' (did you mean 'warmup_steps'?)")
+    config.write_bytes(text.encode("latin-1"))
+    fails_with(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(config)], expected)
+    fails_with(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(tmp_path / "missing.toml")],
+               f"config file not found: {tmp_path / 'missing.toml'}")
 
 
 def test_missing_or_empty_data_folder(tmp_path, capsys):
@@ -271,3 +335,127 @@ def test_unusable_run_folder(tiny_data, tmp_path, capsys):
 def test_resume_with_another_model_names_the_difference(reference, tiny_data, capsys):
     fails_with(capsys, base_args(tiny_data, reference) + ["--resume", "--n-layers", "3", "--no-tie-embeddings"],
                "ckpt_00000010.pt was written for another model (n_layers 2 != 3, tie_embeddings True != False)")
+
+
+# ---- history is never lost
+
+def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(reference, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)  # ckpt 8 and 10
+    newest = run_dir / "ckpt_00000010.pt"
+    os.truncate(newest, newest.stat().st_size // 2)
+    (run_dir / "latest").write_bytes(b"\x00\xff not a name")  # a pointer that is not text is ignored
+    torch.save({"weights": torch.ones(3)}, run_dir / "ckpt_00000011.pt")  # another program's torch file
+    result = run_train(*run_args(tiny_data, run_dir, "--resume"))
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {run_dir / 'ckpt_00000008.pt'} at step 8" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "skipped a newer checkpoint" in line]
+    assert len(warnings) == 2, result.stderr
+    assert f"{run_dir / 'ckpt_00000011.pt'} is not a fastpt checkpoint (no 'model_config', 'step')" in warnings[0]
+    assert f"could not read checkpoint {newest}" in warnings[1]
+    assert losses(run_dir) == losses(reference)  # steps 9 and 10 trained again, identically
+
+
+def test_a_fresh_run_never_erases_an_earlier_runs_metrics(tiny_data, tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    fails_with(capsys, base_args(tiny_data, tmp_path),
+               f"{tmp_path} holds an earlier run's metrics.jsonl (and no checkpoint): add --resume")
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+def test_metrics_rewind_is_atomic(tmp_path, monkeypatch):
+    """A kill or a full disk while the resumed run drops the killed run's extra records must leave the
+    old file whole: the rewrite goes to a temp file that replaces it only when complete."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 9)) + '{"step": 9, "lo')
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    before = path.read_text()
+    with pytest.raises(OSError):
+        metrics.rewind(path, 4)
+    assert path.read_text() == before and not list(tmp_path.glob(".*tmp*"))
+    monkeypatch.undo()
+    metrics.rewind(path, 4)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 24 MiB filesystem (tmpfs), where the machine lets the tests mount one."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here (the RLIMIT_FSIZE test covers failed writes)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_full_disk_is_survived_and_the_final_checkpoint_attempted(small_disk, tiny_data):
+    """The disk fills after step 5: once the metrics file's last page is used up too, its writes
+    become one warning; checkpoints fail with the OS's reason; the run still trains to the end and
+    attempts its final checkpoint. Then, with space again, it resumes and relogs what was lost."""
+    run_dir = small_disk / "run"
+    args = run_args(tiny_data, run_dir, "--max-steps", "30")
+    result = run_faulty("fill-disk-after-step", 5, *args)
+    assert result.returncode == 1, result.stderr  # the final checkpoint could not be written
+    assert "Traceback" not in result.stderr
+    assert result.stderr.count(f"fastpt: warning: could not write {run_dir / 'metrics.jsonl'}") == 1
+    assert (f"could not write checkpoint {run_dir / 'ckpt_00000030.pt'}: No space left on device; "
+            "ckpt_00000004.pt is intact") in result.stderr
+    assert "Step    30/30" in result.stdout  # trained to the end
+    logged = [s for s, _ in losses(run_dir)]
+    assert logged[:5] == [1, 2, 3, 4, 5] and len(logged) < 30
+    (run_dir / "filler").unlink()
+    resumed = run_train(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 4" in resumed.stdout
+    assert [s for s, _ in losses(run_dir)] == list(range(1, 31))
+
+
+# ---- one owner per run folder
+
+def start_train(*args: str, stdout) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fastpt.train", *args], cwd=REPO, stdout=stdout,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def wait_for(text: str, path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+
+
+def test_a_second_trainer_on_the_same_folder_is_refused_and_a_killed_one_leaves_no_lock(tiny_data, tmp_path):
+    args = (*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--log-every", "1",
+            "--ckpt-every", "2", "--eval-every", "1000")
+    with open(tmp_path / "first.txt", "w") as stdout:
+        first = start_train(*args, "--max-steps", "100000", stdout=stdout)
+        wait_for("saved", tmp_path / "first.txt", first)
+        second = run_train(*args, "--max-steps", "100000", "--resume")
+        assert second.returncode == 2
+        assert second.stderr == (f"fastpt: error: {tmp_path / 'run'} is in use by another trainer (pid {first.pid} "
+                                 f"on {socket.gethostname()}); wait for it to end or choose another --out\n")
+        first.kill()
+        first.wait()
+    saved = checkpoint.load(checkpoint.latest(tmp_path / "run"))["step"]
+    third = run_train(*args, "--max-steps", str(saved + 1), "--resume")  # SIGKILL left no stale lock
+    assert third.returncode == 0, third.stderr
+
+
+# ---- Ctrl-C
+
+def test_ctrl_c_while_importing_is_one_line_and_exit_130(tiny_data, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "fastpt.train", *base_args(tiny_data, tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text():  # `import torch` is under way
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == "fastpt: error: interrupted\n"

@@ -13,6 +13,7 @@ import torch
 from conftest import REPO, TINY, read_metrics, run_train
 from fastpt import checkpoint, plot, prepare, sample, train
 from fastpt.config import PRESETS, TrainConfig
+from fastpt.errors import MissingPackage
 from fastpt.metrics import MetricsLogger, peak_flops
 from fastpt.model import Transformer
 
@@ -149,7 +150,7 @@ def test_plot_without_matplotlib_says_what_to_install(run_dir, monkeypatch):
 
 def test_wandb_without_the_package_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
-    with pytest.raises(SystemExit, match="pip install wandb"):
+    with pytest.raises(MissingPackage, match="--wandb needs the wandb package: pip install wandb"):
         MetricsLogger(tmp_path, {}, wandb_project="fastpt")
 
 
