@@ -10,12 +10,14 @@ from pathlib import Path
 
 import numpy as np
 
+from fastpt.errors import DataError, require, run_command
+
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """Train and eval records, by step. After a resume a step is logged again: the last record wins."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise SystemExit(f"fastpt.plot: {path} not found (is {run_dir} a run folder written by fastpt.train?)")
+        raise DataError(f"{path} not found (is {run_dir} a run folder written by fastpt.train?)")
     train: dict[int, dict] = {}
     val: dict[int, dict] = {}
     for line in path.read_text().splitlines():
@@ -28,16 +30,13 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
         elif "val_loss" in record:
             val[record["step"]] = record
     if not train:
-        raise SystemExit(f"fastpt.plot: {path} has no train records yet")
+        raise DataError(f"{path} has no train records yet")
     return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
 
 
 def plot(run_dir: str | Path) -> Path:
     """Write run_dir/loss.png and return its path."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("fastpt.plot needs matplotlib: pip install matplotlib") from None
+    matplotlib = require("matplotlib", "fastpt.plot")
     matplotlib.use("Agg")  # files only: works without a display
     import matplotlib.pyplot as plt
 
@@ -76,4 +75,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -144,7 +144,7 @@ def test_plot_writes_a_png(run_dir):
 
 def test_plot_without_matplotlib_says_what_to_install(run_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    with pytest.raises(SystemExit, match="pip install matplotlib"):
+    with pytest.raises(MissingPackage, match="fastpt.plot needs the matplotlib package: pip install matplotlib"):
         plot.plot(run_dir)
 
 
