@@ -143,6 +143,9 @@ class TrainConfig:
                                        "nanogpt: headerless uint16 .bin", choices=("llmc", "nanogpt"))
     out: str = setting("runs/default", "run folder: config, metrics.jsonl, checkpoints, tokenizer")
     resume: bool = setting(False, "continue from the newest complete checkpoint in --out")
+    init_from: str = setting("", "a Hugging Face Llama folder to start from (continued pretraining): its shape "
+                                 "and weights replace the preset's; without --data its tokenizer prepares the "
+                                 "default corpus")
     seq_len: int = setting(0, "tokens per training sequence; 0 = the model's max_seq_len", domain=NON_NEGATIVE)
     # model shape, on top of the preset
     vocab_size: int | None = shape("vocabulary size (at least the data's)")
@@ -280,12 +283,19 @@ def to_toml(cfg: TrainConfig) -> str:
     return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
 
 
-def model_config(cfg: TrainConfig, data_vocab: int) -> ModelConfig:
-    """The preset with the shape keys given on top; its vocab widened to the data's when the data
-    needs more (e.g. GPT-2 ids in FineWeb shards; `tiny` always takes the data's), and long enough
-    for the run's seq_len."""
+def model_config(cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = None) -> ModelConfig:
+    """The preset (or `base`, a model to start from, whose shape the keys may not change) with the
+    shape keys given on top; its vocab widened to the data's when the data needs more (e.g. GPT-2
+    ids in FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len."""
     overrides = {k: getattr(cfg, k) for k in MODEL_FIELDS if getattr(cfg, k) is not None}
-    m = dataclasses.replace(PRESETS[cfg.preset], **overrides)
+    if base is not None:
+        for k, v in overrides.items():
+            if k != "max_seq_len" and v != getattr(base, k):
+                raise ConfigError(f"'{k}' = {v!r} disagrees with the model of --init-from ({getattr(base, k)!r})")
+        if data_vocab > base.vocab_size:
+            raise ConfigError(f"the data's vocab ({data_vocab}) is larger than the vocab of --init-from "
+                              f"{cfg.init_from} ({base.vocab_size}): prepare the data with its tokenizer")
+    m = dataclasses.replace(base or PRESETS[cfg.preset], **overrides)
     if "vocab_size" in overrides and 0 < m.vocab_size < data_vocab:
         raise ConfigError(f"'vocab_size' = {m.vocab_size} is smaller than the data's vocab ({data_vocab})")
     m.vocab_size = max(m.vocab_size, data_vocab)

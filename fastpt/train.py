@@ -25,6 +25,7 @@ from fastpt.config import ModelConfig, TrainConfig, model_config, parse_args, re
 from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
 from fastpt.errors import CheckpointError, ConfigError, run_command
 from fastpt.files import lock
+from fastpt.hf import load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at
@@ -181,6 +182,9 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         except OSError as e:
             raise ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})") from None
 
+    # ---- a Hugging Face model to continue from: its shape, weights (and tokenizer, see below)
+    init = load_hf(cfg.init_from) if cfg.init_from else None  # (ModelConfig, fastpt-named state)
+
     # ---- data: memory-mapped shards, token ids checked against the vocab once
     data_dir = Path(cfg.data) if cfg.data else None
     if data_dir is None:
@@ -194,7 +198,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     train_shards = find_shards(data_dir, "train", cfg.data_format)
     val_shards = find_shards(data_dir, "val", cfg.data_format)
     vocab = data_vocab(data_dir, train_shards + val_shards, headerless)
-    mcfg = model_config(cfg, vocab)
+    mcfg = model_config(cfg, vocab, init[0] if init else None)
     check_token_ids(train_shards + val_shards, mcfg.vocab_size, headerless)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     train_windows = Windows(train_shards, seq_len, headerless)
@@ -205,7 +209,10 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model = Transformer(mcfg, cfg.kernels).to(device)
+    raw_model = Transformer(mcfg, cfg.kernels)
+    if init:
+        raw_model.load_state_dict(init[1])
+    raw_model.to(device)
     model = distributed.parallelize(raw_model, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile)
     optimizer = build_optimizer(raw_model, cfg.weight_decay, cfg.decay_rule, cfg.lr,
                                 (cfg.beta1, cfg.beta2), cfg.eps)
@@ -268,7 +275,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         except OSError as e:
             raise ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})") from None
         metrics = MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb)
-    log(f"device {device_name(device)} x {d.world_size} | preset {cfg.preset} | params {raw_model.num_params():,} "
+    log(f"device {device_name(device)} x {d.world_size} | "
+        + (f"init from {cfg.init_from}" if init else f"preset {cfg.preset}") + f" | params {raw_model.num_params():,} "
         f"| dtype {cfg.dtype} | compile {cfg.compile} | kernels {cfg.kernels} | MFU "
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"))
     log(f"data {data_dir}: {len(train_shards)} train shards ({sum(map(len, train_windows.tokens)):,} tokens), "

@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, run_train
+from conftest import TINY, read_metrics, run_train
 from fastpt import export, hf, sample
 from fastpt.config import PRESETS, ModelConfig
+from fastpt.data import TrainLoader, Windows, find_shards
 from fastpt.errors import CheckpointError, ConfigError
 from fastpt.model import Transformer
 from fastpt.tokenizer import ByteTokenizer, load_tokenizer
@@ -165,6 +166,37 @@ def test_a_transformers_llama_imports_with_its_logits_and_exports_back(tmp_path,
     expected = {k: v for k, v in theirs.state_dict().items() if not (tie and k == "lm_head.weight")}
     assert back.keys() == expected.keys()
     assert all(torch.equal(back[k], v) for k, v in expected.items())
+
+
+def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tiny_data, tmp_path):
+    """--init-from: the first logged loss is HF's own loss on the first batch (warmup makes step 1's
+    learning rate 0, so its checkpoint still holds HF's weights: exported, they are HF's tensors);
+    then training goes on, and a shape key that contradicts the HF model is refused."""
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    args = ("--init-from", str(tmp_path / "hf"), "--data", str(tiny_data), "--out", str(tmp_path / "run"),
+            "--device", "cpu", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4", "--log-every", "1",
+            "--warmup-steps", "1")
+    first = run_train(*args, "--max-steps", "1")
+    assert first.returncode == 0, first.stderr
+    assert f"init from {tmp_path / 'hf'}" in first.stdout
+    batch = TrainLoader(Windows(find_shards(tiny_data, "train"), 32), 4, seed=1337, device=torch.device("cpu")).next()
+    expected = torch.nn.functional.cross_entropy(logits(theirs, batch.x).flatten(0, 1), batch.y.flatten())
+    assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(expected.item(), rel=1e-5)
+    export.export(tmp_path / "run", tmp_path / "back")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in theirs.state_dict().items())
+
+    more = run_train(*args, "--max-steps", "4", "--resume")
+    assert more.returncode == 0, more.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    refused = run_train(*args, "--max-steps", "1", "--out", str(tmp_path / "other"), "--n-layers", "3")
+    assert refused.returncode == 2
+    assert refused.stderr == "fastpt: error: 'n_layers' = 3 disagrees with the model of --init-from (2)\n"
 
 
 def write_config(folder, **changes) -> None:
