@@ -51,18 +51,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
 
 def cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
-    *, backend: str = "auto",
-) -> torch.Tensor:
-    """Cross-entropy of logits (N, V) against target (N,), as F.cross_entropy; fp32 loss."""
-    impl = functional if _use_triton(backend, logits) else reference
-    return impl.cross_entropy(logits, target, ignore_index, reduction)
+    *, z_loss: float = 0.0, return_z_loss: bool = False, inplace_backward: bool = False, backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of logits (N, V) against target (N,), as F.cross_entropy; fp32 loss.
+
+    z_loss adds z_loss * logsumexp(logits)^2 per counted row, reduced like the loss (PaLM's
+    stabilizer); return_z_loss=True returns (loss, that term alone, detached). inplace_backward=True
+    lets the Triton path overwrite the logits with their gradient (one (N, V) buffer, not two): do not
+    read logits after the call. The reference ignores it.
+    """
+    if not _use_triton(backend, logits):
+        return reference.cross_entropy(logits, target, ignore_index, reduction, z_loss=z_loss,
+                                       return_z_loss=return_z_loss)
+    return functional.cross_entropy(logits, target, ignore_index, reduction, z_loss=z_loss,
+                                    return_z_loss=return_z_loss, inplace_backward=inplace_backward)
 
 
 def linear_cross_entropy(
     input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-    reduction: str = "mean", *, backend: str = "auto",
-) -> torch.Tensor:
-    """cross_entropy(input @ weight.T, target), input (N, D), weight (V, D); fp32 loss.
-    The Triton path never materializes the (N, V) logits."""
+    reduction: str = "mean", *, z_loss: float = 0.0, return_z_loss: bool = False, backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """cross_entropy(input @ weight.T, target, ...), input (N, D), weight (V, D); fp32 loss, z_loss
+    and return_z_loss as in cross_entropy. The Triton path never materializes the (N, V) logits."""
     impl = functional if _use_triton(backend, input) else reference
-    return impl.linear_cross_entropy(input, weight, target, ignore_index, reduction)
+    return impl.linear_cross_entropy(input, weight, target, ignore_index, reduction, z_loss=z_loss,
+                                     return_z_loss=return_z_loss)

@@ -1,14 +1,28 @@
 """Autograd and torch.library registration of the Triton kernels.
 
-Every op is a `torch.library.custom_op` with a fake (shape-only) implementation and a registered
-autograd formula, so torch.compile(fullgraph=True) keeps it in the graph as one opaque call.
-The Triton modules are imported inside the op bodies: triton.jit reads TRITON_INTERPRET when a
-kernel is decorated, so importing them here would freeze that choice at `import kernels`.
+Every op is a `torch.library.custom_op` with a fake (shape-only) implementation, and those on
+the autograd path register their backward, so torch.compile(fullgraph=True) keeps each in the
+graph as one opaque call; all of them pass torch.library.opcheck. None is twice differentiable:
+a backward run with create_graph=True raises. The Triton modules are imported inside the op
+bodies, so `import kernels` does not import triton. TRITON_INTERPRET must be set before triton
+is first imported: triton.jit reads it when a function is decorated, triton.language's own included.
 """
+from typing import Optional
+
 import torch
 from torch import Tensor
 
+from kernels.reference import reduce_rows
+
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+def _no_double_backward(op: str) -> None:
+    """Autograd runs a backward with grad mode on only for create_graph=True; these backward
+    formulas are not differentiable, so refuse rather than hand back a gradient with no graph."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"fastpt::{op}: double backward (create_graph=True) is not supported; "
+                           "use backend='torch' for higher-order gradients")
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -48,6 +62,7 @@ def _rms_norm_setup(ctx, inputs, output):
 
 
 def _rms_norm_grad(ctx, dy, _):
+    _no_double_backward("rms_norm")
     dx, dweight = _rms_norm_backward(dy, *ctx.saved_tensors)
     return dx, dweight, None
 
@@ -70,16 +85,13 @@ def _row_scale(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
     return torch.ones((), dtype=torch.float32, device=target.device)
 
 
-def _reduce(loss_rows: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    if reduction == "none":
-        return loss_rows
-    # "mean" over zero counted rows is 0 / 0 = nan, as in F.cross_entropy.
-    return loss_rows.sum() / (target != ignore_index).sum() if reduction == "mean" else loss_rows.sum()
-
-
 def _loss_fake(rows: Tensor, reduction: str) -> Tensor:
     shape = rows.shape[:1] if reduction == "none" else ()
     return rows.new_empty(shape, dtype=torch.float32)
+
+
+def _rows_fake(rows: Tensor) -> Tensor:
+    return rows.new_empty(rows.shape[:1], dtype=torch.float32)
 
 
 def _check(reduction: str, **matrices: Tensor) -> None:
@@ -91,6 +103,11 @@ def _check(reduction: str, **matrices: Tensor) -> None:
 
 
 # ------------------------------------------------------------------------ cross-entropy
+#
+# Three ops: the kernel, functional (cross_entropy) or writing the gradient over the logits
+# (cross_entropy_), neither differentiable; and cross_entropy_reduce, whose backward scales the
+# gradient the kernel made, in place. The backward mutates an input of that op, never an output
+# of the forward, which AOT autograd (and opcheck) require.
 
 def _forward_scale(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
     """The mean's 1/n goes into the gradient made in the forward, so that the common backward with
@@ -103,20 +120,37 @@ def _forward_scale(logits: Tensor, target: Tensor, ignore_index: int, reduction:
 
 @torch.library.custom_op("fastpt::cross_entropy", mutates_args=())
 def _cross_entropy(
-    logits: Tensor, target: Tensor, ignore_index: int, reduction: str, with_grad: bool
-) -> tuple[Tensor, Tensor]:
-    """(loss, dloss/dlogits for an upstream gradient of 1, or an empty tensor without with_grad)."""
+    logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, grad_scale: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss rows, z-loss rows, grad_scale * dloss_row/dlogits, or an empty tensor without grad_scale)."""
     from kernels.ops import cross_entropy as ops
 
+    with_grad = grad_scale is not None
     grad = torch.empty(logits.shape if with_grad else 0, dtype=logits.dtype, device=logits.device)
-    scale = _forward_scale(logits, target, ignore_index, reduction)
-    loss_rows = ops.cross_entropy_forward(logits, target, ignore_index, grad if with_grad else None, scale)
-    return _reduce(loss_rows, target, ignore_index, reduction), grad
+    loss_rows, z_rows = ops.cross_entropy_forward(
+        logits, target, ignore_index, z_loss, grad if with_grad else None, grad_scale
+    )
+    return loss_rows, z_rows, grad
 
 
 @_cross_entropy.register_fake
-def _(logits, target, ignore_index, reduction, with_grad):
-    return _loss_fake(logits, reduction), logits.new_empty(logits.shape if with_grad else 0)
+def _(logits, target, ignore_index, z_loss, grad_scale):
+    return _rows_fake(logits), _rows_fake(logits), logits.new_empty(logits.shape if grad_scale is not None else 0)
+
+
+@torch.library.custom_op("fastpt::cross_entropy_", mutates_args=("logits",))
+def _cross_entropy_(
+    logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, grad_scale: Tensor
+) -> tuple[Tensor, Tensor]:
+    """As cross_entropy, the gradient written over the logits."""
+    from kernels.ops import cross_entropy as ops
+
+    return ops.cross_entropy_forward(logits, target, ignore_index, z_loss, logits, grad_scale)
+
+
+@_cross_entropy_.register_fake
+def _(logits, target, ignore_index, z_loss, grad_scale):
+    return _rows_fake(logits), _rows_fake(logits)
 
 
 @torch.library.custom_op("fastpt::scale_rows_", mutates_args=("x",))
@@ -131,68 +165,101 @@ def _(x, scale):
     return None
 
 
-def _cross_entropy_setup(ctx, inputs, output):
-    _, target, ctx.ignore_index, ctx.reduction, _ = inputs
-    _, grad = output
-    ctx.mark_non_differentiable(grad)
-    ctx.set_materialize_grads(False)
+@torch.library.custom_op("fastpt::cross_entropy_reduce", mutates_args=())
+def _cross_entropy_reduce(
+    loss_rows: Tensor, logits: Tensor, grad: Tensor, target: Tensor, ignore_index: int, reduction: str
+) -> Tensor:
+    """loss_rows reduced; its gradient with respect to logits is `grad`, which the kernel made for
+    an upstream gradient of 1, times the upstream gradient."""
+    loss = reduce_rows(loss_rows, target, ignore_index, reduction)
+    return loss.clone() if loss is loss_rows else loss  # an op's output may not alias its input
+
+
+@_cross_entropy_reduce.register_fake
+def _(loss_rows, logits, grad, target, ignore_index, reduction):
+    return _loss_fake(loss_rows, reduction)
+
+
+def _cross_entropy_reduce_setup(ctx, inputs, output):
+    _, _, grad, target, ctx.ignore_index, ctx.reduction = inputs
     ctx.save_for_backward(grad, target)
 
 
-def _cross_entropy_grad(ctx, grad_loss, _):
-    # The gradient was made in the forward; scaling it in place saves an (N, V) buffer. A second
-    # backward through the same graph (retain_graph) trips autograd's saved-tensor version check.
+def _cross_entropy_reduce_grad(ctx, grad_loss):
+    # Scaling in place saves an (N, V) buffer; a second backward through the same graph
+    # (retain_graph) trips autograd's saved-tensor version check instead of scaling twice.
+    _no_double_backward("cross_entropy")
     grad, target = ctx.saved_tensors
     if grad.dtype == torch.float16:  # the forward left the mean's 1/n out (_forward_scale)
         grad_loss = grad_loss * _row_scale(target, ctx.ignore_index, ctx.reduction)
     _scale_rows_(grad, grad_loss)
-    return grad, None, None, None, None
+    return None, grad, None, None, None, None
 
 
-_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+_cross_entropy_reduce.register_autograd(_cross_entropy_reduce_grad, setup_context=_cross_entropy_reduce_setup)
 
 
-def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """Cross-entropy of logits (N, V) against target (N,); fp32 loss, "mean" over non-ignored rows.
+def cross_entropy(
+    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", *,
+    z_loss: float = 0.0, return_z_loss: bool = False, inplace_backward: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Cross-entropy of logits (N, V) against target (N,) plus z_loss * lse^2 per counted row; fp32
+    loss, "mean" over non-ignored rows. With return_z_loss, (loss, the z-loss term alone, detached).
 
-    Targets outside [0, V) other than ignore_index are not checked (that would need a host sync).
+    inplace_backward=True writes the gradient over the logits in the forward (as Liger does), so
+    the pair costs one (N, V) buffer instead of two: the logits' values are lost, and reading them
+    afterwards gives the gradient. Targets outside [0, V) other than ignore_index are not checked
+    (that would need a host sync).
     """
     _check(reduction, logits=logits)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    with_grad = torch.is_grad_enabled() and logits.requires_grad
-    return _cross_entropy(logits, target.contiguous(), ignore_index, reduction, with_grad)[0]
+    target = target.contiguous()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        scale = _forward_scale(logits, target, ignore_index, reduction)
+        if inplace_backward:
+            grad = logits.detach()  # the kernels write through this alias; autograd sees the op's mutation
+            loss_rows, z_rows = _cross_entropy_(grad, target, ignore_index, z_loss, scale)
+        else:
+            loss_rows, z_rows, grad = _cross_entropy(logits.detach(), target, ignore_index, z_loss, scale)
+        loss = _cross_entropy_reduce(loss_rows, logits, grad, target, ignore_index, reduction)
+    else:
+        loss_rows, z_rows, _ = _cross_entropy(logits, target, ignore_index, z_loss, None)
+        loss = reduce_rows(loss_rows, target, ignore_index, reduction)
+    return (loss, reduce_rows(z_rows, target, ignore_index, reduction)) if return_z_loss else loss
 
 
 # ------------------------------------------------------------------- linear + cross-entropy
 
 @torch.library.custom_op("fastpt::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(
-    input: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str,
+    input: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, z_loss: float,
     compute_dtype: torch.dtype, with_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, dinput, fp32 dweight), the gradients those of the summed loss: the mean's 1/n joins
-    the upstream gradient in the backward, so fp16 never holds (p - onehot) / n. They are made in
-    the forward unless reduction is "none" (then they depend on per-row upstream gradients) or
-    with_grad is off; otherwise they come back empty."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss, z-loss term, dinput, fp32 dweight), the gradients those of the summed loss: the mean's
+    1/n joins the upstream gradient in the backward, so fp16 never holds (p - onehot) / n. They are
+    made in the forward unless reduction is "none" (then they depend on per-row upstream gradients)
+    or with_grad is off (the backward recomputes them then); otherwise they come back empty."""
     from kernels.ops import linear_cross_entropy as ops
 
     early = with_grad and reduction != "none"
     ones = torch.ones((), dtype=torch.float32, device=input.device)
     # Autocast would recast the matmuls inside, including the fp32 weight-gradient accumulator.
     with torch.autocast(input.device.type, enabled=False):
-        loss_rows, dinput, dweight = ops.linear_cross_entropy_forward(
-            input, weight, target, ignore_index, compute_dtype, ones if early else None
+        loss_rows, z_rows, dinput, dweight = ops.linear_cross_entropy_forward(
+            input, weight, target, ignore_index, compute_dtype, z_loss, ones if early else None
         )
     if not early:
         dinput, dweight = input.new_empty(0), weight.new_empty(0, dtype=torch.float32)
-    return _reduce(loss_rows, target, ignore_index, reduction), dinput, dweight
+    return (reduce_rows(loss_rows, target, ignore_index, reduction),
+            reduce_rows(z_rows, target, ignore_index, reduction), dinput, dweight)
 
 
 @_linear_cross_entropy.register_fake
-def _(input, weight, target, ignore_index, reduction, compute_dtype, with_grad):
+def _(input, weight, target, ignore_index, reduction, z_loss, compute_dtype, with_grad):
     early = with_grad and reduction != "none"
     return (
+        _loss_fake(input, reduction),
         _loss_fake(input, reduction),
         torch.empty_like(input) if early else input.new_empty(0),
         weight.new_empty(weight.shape if early else 0, dtype=torch.float32),
@@ -201,51 +268,54 @@ def _(input, weight, target, ignore_index, reduction, compute_dtype, with_grad):
 
 @torch.library.custom_op("fastpt::linear_cross_entropy_backward", mutates_args=())
 def _linear_cross_entropy_backward(
-    input: Tensor, weight: Tensor, target: Tensor, grad_loss: Tensor, ignore_index: int,
+    input: Tensor, weight: Tensor, target: Tensor, grad_scale: Tensor, ignore_index: int, z_loss: float,
     compute_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """(dinput, fp32 dweight) for per-row upstream gradients grad_loss (N,): reduction "none"."""
+    """(dinput, fp32 dweight) of sum_i grad_scale[i] * loss_i, grad_scale 0-dim or (N,)."""
     from kernels.ops import linear_cross_entropy as ops
 
     with torch.autocast(input.device.type, enabled=False):
-        _, dinput, dweight = ops.linear_cross_entropy_forward(
-            input, weight, target, ignore_index, compute_dtype, grad_loss
+        _, _, dinput, dweight = ops.linear_cross_entropy_forward(
+            input, weight, target, ignore_index, compute_dtype, z_loss, grad_scale
         )
     return dinput, dweight
 
 
 @_linear_cross_entropy_backward.register_fake
-def _(input, weight, target, grad_loss, ignore_index, compute_dtype):
+def _(input, weight, target, grad_scale, ignore_index, z_loss, compute_dtype):
     return torch.empty_like(input), torch.empty_like(weight, dtype=torch.float32)
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
-    input, weight, target, ctx.ignore_index, ctx.reduction, ctx.compute_dtype, _ = inputs
-    _, dinput, dweight = output
-    ctx.mark_non_differentiable(dinput, dweight)
+    input, weight, target, ctx.ignore_index, ctx.reduction, ctx.z_loss, ctx.compute_dtype, with_grad = inputs
+    _, z, dinput, dweight = output
+    ctx.early = with_grad and ctx.reduction != "none"
+    ctx.mark_non_differentiable(z, dinput, dweight)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, weight, target, dinput, dweight)
 
 
-def _linear_cross_entropy_grad(ctx, grad_loss, _, __):
+def _linear_cross_entropy_grad(ctx, grad_loss, _, __, ___):
+    _no_double_backward("linear_cross_entropy")
     input, weight, target, dinput, dweight = ctx.saved_tensors
-    if ctx.reduction == "none":
-        dinput, dweight = _linear_cross_entropy_backward(
-            input, weight, target, grad_loss, ctx.ignore_index, ctx.compute_dtype
-        )
-    else:
-        scale = grad_loss * _row_scale(target, ctx.ignore_index, ctx.reduction)
+    scale = grad_loss * _row_scale(target, ctx.ignore_index, ctx.reduction)
+    if ctx.early:
         dinput, dweight = dinput * scale, dweight * scale
-    return dinput, dweight.to(weight.dtype), None, None, None, None, None
+    else:
+        dinput, dweight = _linear_cross_entropy_backward(
+            input, weight, target, scale, ctx.ignore_index, ctx.z_loss, ctx.compute_dtype
+        )
+    return dinput, dweight.to(weight.dtype), None, None, None, None, None, None
 
 
 _linear_cross_entropy.register_autograd(_linear_cross_entropy_grad, setup_context=_linear_cross_entropy_setup)
 
 
 def linear_cross_entropy(
-    input: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean"
-) -> Tensor:
-    """cross_entropy(input @ weight.T, target) for input (N, D), weight (V, D), chunked over rows.
+    input: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", *,
+    z_loss: float = 0.0, return_z_loss: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """cross_entropy(input @ weight.T, target, ...) for input (N, D), weight (V, D), chunked over rows.
 
     The matmuls run in the autocast dtype when autocast is on (as F.linear would), else in the
     promoted dtype of input and weight; softmax and accumulation are fp32; the loss is fp32.
@@ -257,6 +327,7 @@ def linear_cross_entropy(
     else:
         compute_dtype = torch.promote_types(input.dtype, weight.dtype)
     with_grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
-    return _linear_cross_entropy(
-        input, weight, target.contiguous(), ignore_index, reduction, compute_dtype, with_grad
-    )[0]
+    loss, z, _, _ = _linear_cross_entropy(
+        input, weight, target.contiguous(), ignore_index, reduction, z_loss, compute_dtype, with_grad
+    )
+    return (loss, z) if return_z_loss else loss

@@ -8,6 +8,14 @@ def _upcast(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def reduce_rows(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """Per-row losses (0 on ignored rows) reduced as F.cross_entropy does: "mean" over the counted
+    rows (0 / 0 = nan when none counts), "sum", or "none"."""
+    if reduction == "none":
+        return rows
+    return rows.sum() / (target != ignore_index).sum() if reduction == "mean" else rows.sum()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in (at least) fp32, output in x's dtype."""
     xf = _upcast(x)
@@ -16,10 +24,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
 
 def cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
-) -> torch.Tensor:
-    """Cross-entropy of logits (N, V) against target (N,), computed in (at least) fp32."""
-    return F.cross_entropy(_upcast(logits), target, ignore_index=ignore_index, reduction=reduction)
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
+    *, z_loss: float = 0.0, return_z_loss: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of logits (N, V) against target (N,), computed in (at least) fp32, plus the
+    z-loss z_loss * logsumexp(logits)^2 of each counted row, reduced alike; with return_z_loss,
+    (loss, z-loss term alone, detached)."""
+    logits = _upcast(logits)
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    if not (z_loss or return_z_loss):
+        return loss
+    z_rows = torch.where(target != ignore_index, z_loss * logits.logsumexp(-1).square(), 0.0)
+    z = reduce_rows(z_rows, target, ignore_index, reduction)
+    loss = loss + z
+    return (loss, z.detach()) if return_z_loss else loss
 
 
 def linear_cross_entropy(
@@ -28,7 +46,10 @@ def linear_cross_entropy(
     target: torch.Tensor,
     ignore_index: int = -100,
     reduction: str = "mean",
-) -> torch.Tensor:
-    """cross_entropy(input @ weight.T, target); input (N, D), weight (V, D)."""
+    *,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """cross_entropy(input @ weight.T, target, ...); input (N, D), weight (V, D)."""
     logits = F.linear(input, weight)  # (N, V)
-    return cross_entropy(logits, target, ignore_index, reduction)
+    return cross_entropy(logits, target, ignore_index, reduction, z_loss=z_loss, return_z_loss=return_z_loss)

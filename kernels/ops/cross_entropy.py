@@ -2,8 +2,10 @@
 
 One program per row: an online softmax over vocabulary blocks gives the log-sum-exp, then a
 second sweep (mostly served from L2) writes grad = scale * (softmax - onehot), formed in fp32.
-The caller later multiplies by the upstream gradient with `scale_rows_`, which skips rows on
-device when that gradient is 1, so a plain `loss.backward()` costs no extra pass over the logits.
+The z-loss coef * lse^2 (PaLM) rides along: it adds to the row's loss, and its gradient
+2 * coef * lse * softmax to the softmax term. The caller later multiplies by the upstream
+gradient with `scale_rows_`, which skips rows on device when that gradient is 1, so a plain
+`loss.backward()` costs no extra pass over the logits.
 """
 import torch
 import triton
@@ -16,8 +18,8 @@ MAX_BLOCK = 32768  # vocabulary elements per sweep step
 
 @triton.jit
 def _cross_entropy_kernel(
-    logits_ptr, logits_stride, grad_ptr, grad_stride, target_ptr, loss_ptr, scale_ptr, scale_stride,
-    n_cols, ignore_index,
+    logits_ptr, logits_stride, grad_ptr, grad_stride, target_ptr, loss_ptr, z_ptr, scale_ptr, scale_stride,
+    n_cols, ignore_index, z_loss,
     WITH_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -31,21 +33,27 @@ def _cross_entropy_kernel(
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        # While every logit so far is -inf (masked), m_new is too and exp(m - m_new) would be
+        # exp(-inf + inf) = nan: shift by 0 then, which adds exp(-inf) = 0.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         x_y += tl.sum(tl.where(cols == y, x, 0.0), axis=0)
         m = m_new
     lse = m + tl.log(d)
+    z = z_loss * lse * lse
     # Ignored rows still write: a zero loss here, a zero gradient below.
-    tl.store(loss_ptr + row, tl.where(valid, lse - x_y, 0.0))
+    tl.store(loss_ptr + row, tl.where(valid, lse - x_y + z, 0.0))
+    tl.store(z_ptr + row, tl.where(valid, z, 0.0))
     if WITH_GRAD:
         grad_ptr += row * grad_stride
         scale = tl.where(valid, tl.load(scale_ptr + row * scale_stride).to(tl.float32), 0.0)
+        p_scale = scale * (1.0 + 2.0 * z_loss * lse)  # d(lse - x_y + z)/dx = (1 + 2 z_loss lse) p - onehot
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(logits_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             # p_y - 1 is formed in fp32: rounding p_y first would lose the target's gradient.
-            g = (tl.exp(x - lse) - tl.where(cols == y, 1.0, 0.0)) * scale
+            g = tl.exp(x - lse) * p_scale - tl.where(cols == y, scale, 0.0)
             tl.store(grad_ptr + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
@@ -70,10 +78,12 @@ def cross_entropy_forward(
     logits: torch.Tensor,
     target: torch.Tensor,
     ignore_index: int,
+    z_loss: float = 0.0,
     grad: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-row fp32 losses of logits (N, V) (0 on ignored rows).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row fp32 losses of logits (N, V), z-loss included, and the z-loss terms alone (both 0
+    on ignored rows).
 
     With `grad` (N, V), which may be `logits` itself, also writes grad_scale[row] * dloss_row/dlogits
     into it; grad_scale is a 0-dim or (N,) tensor, and ignored rows get a zero gradient.
@@ -81,15 +91,16 @@ def cross_entropy_forward(
     n_rows, n_cols = logits.shape
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1)
     loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    z = torch.empty_like(loss)
     with_grad = grad is not None
     scale = grad_scale.expand(n_rows) if with_grad else loss  # stride 0 broadcasts a 0-dim scale
     block = _block(n_cols)
     _cross_entropy_kernel[(n_rows,)](
         logits, logits.stride(0), grad if with_grad else logits, grad.stride(0) if with_grad else 0,
-        target, loss, scale, scale.stride(0), n_cols, ignore_index,
+        target, loss, z, scale, scale.stride(0), n_cols, ignore_index, float(z_loss),
         WITH_GRAD=with_grad, BLOCK=block, num_warps=num_warps(block),
     )
-    return loss
+    return loss, z
 
 
 def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> None:

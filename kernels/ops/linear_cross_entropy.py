@@ -49,16 +49,20 @@ def linear_cross_entropy_forward(
     target: torch.Tensor,
     ignore_index: int,
     compute_dtype: torch.dtype,
+    z_loss: float = 0.0,
     grad_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row fp32 losses of (input @ weight.T) against target, input (N, D), weight (V, D).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row fp32 losses of (input @ weight.T) against target, z-loss included, and the z-loss
+    terms alone; input (N, D), weight (V, D).
 
     With grad_scale (0-dim or (N,)), also returns d(sum_i grad_scale[i] * loss_i) with respect to
-    input (in its dtype) and weight (in fp32); otherwise (loss, None, None). Matmuls run in compute_dtype.
+    input (in its dtype) and weight (in fp32); otherwise None for both. Matmuls run in compute_dtype.
     """
     n_rows = input.shape[0]
     w = weight.to(compute_dtype).contiguous()
     loss = torch.empty(n_rows, dtype=torch.float32, device=input.device)
+    z = torch.empty_like(loss)
+    dinput = dweight = None
     if grad_scale is not None:
         grad_scale = grad_scale.expand(n_rows)
         dinput = torch.empty_like(input)
@@ -69,12 +73,11 @@ def linear_cross_entropy_forward(
         x = input[rows].to(compute_dtype)
         logits = x @ w.T  # (chunk, V)
         if grad_scale is None:
-            loss[rows] = cross_entropy_forward(logits, target[rows], ignore_index)
+            loss[rows], z[rows] = cross_entropy_forward(logits, target[rows], ignore_index, z_loss)
             continue
         # The gradient overwrites the logits in place.
-        loss[rows] = cross_entropy_forward(logits, target[rows], ignore_index, logits, grad_scale[rows])
+        loss[rows], z[rows] = cross_entropy_forward(logits, target[rows], ignore_index, z_loss, logits,
+                                                    grad_scale[rows])
         dinput[rows] = logits @ w
         _accumulate_mm(dweight, logits.T, x)
-    if grad_scale is None:
-        return loss, None, None
-    return loss, dinput, dweight
+    return loss, z, dinput, dweight
