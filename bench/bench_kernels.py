@@ -10,7 +10,8 @@ from bench.kernel_table import SHAPES, extra_gib, fwd_bwd, make_inputs, provider
 
 PEERS = {"rms_norm": ["F.rms_norm", "liger"], "cross_entropy": ["liger"],
          "linear_cross_entropy": ["liger", "F.linear_cross_entropy"]}
-GPU_CASES = [(op, p) for op in SHAPES for p in ["torch", "torch.compile", "fastpt", *PEERS[op]]]
+VARIANTS = {"cross_entropy": ["fastpt-inplace"]}  # fastpt's own options, as kernel_table.providers names them
+GPU_CASES = [(op, p) for op in SHAPES for p in ["torch", "torch.compile", "fastpt", *VARIANTS.get(op, []), *PEERS[op]]]
 
 
 def bench_kernel(benchmark, op: str, provider: str, device: torch.device, dtype: torch.dtype, rounds: int):
