@@ -1,4 +1,4 @@
-"""Token shards (llm.c / modded-nanogpt format) and a deterministic, resumable loader."""
+"""Training data: finding and checking token shards, and a deterministic, resumable loader."""
 from __future__ import annotations
 
 import atexit
@@ -13,78 +13,39 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-# magic -> (version, token dtype), as written by llm.c and modded-nanogpt
-FORMATS = {20240520: (1, np.uint16), 20240801: (7, np.uint32)}
+from fastpt.errors import DataError
+# the shard format lives in fastpt.shards (numpy only, for the prepare workers); write_shard and
+# read_shard stay importable from here
+from fastpt.shards import INCOMPLETE, MAX_VOCAB, read_shard, shard_vocab, write_shard  # noqa: F401
+from fastpt.tokenizer import load_tokenizer, read_nanogpt_meta
+
+GPT2_VOCAB = 50257  # what nanoGPT assumes for headerless data without a meta.pkl
 
 
-from fastpt.errors import DataError  # noqa: E402  (re-exported: callers import it from here)
-
-
-def write_shard(path: str | Path, tokens, vocab_size: int = 0) -> Path:
-    """Write tokens as an llm.c shard: uint16 when every id fits, else uint32."""
-    tokens = np.asarray(tokens)
-    wide = tokens.size and int(tokens.max()) >= 2**16
-    magic = 20240801 if wide else 20240520
-    version, dtype = FORMATS[magic]
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:4] = (magic, version, tokens.size, vocab_size)
-    path = Path(path)
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
-    return path
-
-
-def read_header(path: Path) -> tuple[np.dtype, int, int]:
-    """Check an llm.c header against the file; returns (token dtype, token count, vocab size)."""
-    size = path.stat().st_size
-    if size < HEADER_BYTES:
-        raise DataError(f"{path}: {size} bytes is too short for a {HEADER_BYTES}-byte shard header")
-    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
-    magic, version, count, vocab = (int(v) for v in header[:4])
-    if magic not in FORMATS:
-        raise DataError(f"{path}: bad magic {magic} (expected 20240520 or 20240801; "
-                        "a headerless nanoGPT .bin needs data_format = 'nanogpt')")
-    want_version, dtype = FORMATS[magic]
-    if version != want_version:
-        raise DataError(f"{path}: version {version} does not match magic {magic} (expected {want_version})")
-    itemsize = np.dtype(dtype).itemsize
-    if size != HEADER_BYTES + count * itemsize:
-        raise DataError(f"{path}: header says {count} tokens ({HEADER_BYTES + count * itemsize} bytes) "
-                        f"but the file has {size} bytes (truncated or corrupt)")
-    return np.dtype(dtype).newbyteorder("<"), count, vocab
-
-
-def read_shard(path: str | Path, headerless: bool = False) -> np.memmap:
-    """Memory-map a shard's tokens (never loaded whole); headerless = nanoGPT uint16 .bin."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such shard file")
-    if headerless:
-        if path.stat().st_size % 2:
-            raise DataError(f"{path}: odd byte count, not a headerless uint16 token file")
-        return np.memmap(path, dtype="<u2", mode="r")
-    dtype, count, _ = read_header(path)
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
-
-
-def shard_vocab(path: str | Path) -> int:
-    """The vocab size recorded in a shard's header (0 = unknown)."""
-    return read_header(Path(path))[2]
+def prepare_hint(path: Path) -> str:
+    return f"prepare it first with `python -m fastpt.prepare {path} --out DIR`, then train with --data DIR"
 
 
 def find_shards(folder: str | Path, split: str, data_format: str = "llmc") -> list[Path]:
-    """train_*.bin / val_*.bin (llm.c and ours), or nanoGPT's train.bin / val.bin."""
+    """train_*.bin / val_*.bin (llm.c and ours), or nanoGPT's train.bin / val.bin; an error that
+    says what to do for anything else (a text file, a folder of text, an interrupted prepare)."""
     folder = Path(folder)
+    if folder.is_file():
+        raise DataError(f"--data {folder} is a file, not a folder of token shards: "
+                        + (prepare_hint(folder) if folder.suffix != ".bin" else "give the folder that holds it"))
     if not folder.is_dir():
         raise DataError(f"data folder {folder} does not exist")
+    if (folder / INCOMPLETE).exists():
+        raise DataError(f"{folder} is an unfinished fastpt.prepare output (interrupted): run the prepare again")
     pattern = f"{split}.bin" if data_format == "nanogpt" else f"*{split}_*.bin"
     shards = sorted(folder.glob(pattern))
-    if not shards:
-        raise DataError(f"data folder {folder} has no {pattern} files")
-    return shards
+    if shards:
+        return shards
+    if data_format == "llmc" and (folder / f"{split}.bin").exists():
+        raise DataError(f"data folder {folder} has nanoGPT's {split}.bin: add --data-format nanogpt")
+    if any(p.is_file() and p.suffix != ".bin" and not p.name.startswith(".") for p in folder.iterdir()):
+        raise DataError(f"data folder {folder} holds text but no {pattern} token shards: {prepare_hint(folder)}")
+    raise DataError(f"data folder {folder} has no {pattern} files")
 
 
 @dataclass
@@ -245,15 +206,31 @@ def eval_batches(windows: Windows, micro_batch: int, eval_tokens: int, device: t
 
 
 def data_vocab(folder: Path, shards: list[Path], headerless: bool) -> int:
-    """Vocab size from meta.json, else the shard headers, else the largest token id + 1."""
-    meta = Path(folder) / "meta.json"
-    if meta.is_file():
-        return int(json.loads(meta.read_text())["vocab_size"])
-    if not headerless:
-        recorded = max(shard_vocab(p) for p in shards)
-        if recorded:
-            return recorded
-    return max(max_token_id(p, headerless) for p in shards) + 1
+    """The data's vocab size, from the first that has one: meta.json (fastpt.prepare), nanoGPT's
+    meta.pkl, the shard headers, a tokenizer.json beside the shards; else GPT-2's for headerless
+    data (nanoGPT's own rule without a meta.pkl), else the largest token id + 1."""
+    folder = Path(folder)
+    if (folder / "meta.json").is_file():
+        return _meta_json_vocab(folder / "meta.json")
+    if (folder / "meta.pkl").is_file():
+        return read_nanogpt_meta(folder / "meta.pkl")["vocab_size"]
+    recorded = 0 if headerless else max(shard_vocab(p) for p in shards)
+    if recorded:
+        return recorded
+    if (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder / "tokenizer.json").vocab_size
+    largest = max(max_token_id(p, headerless) for p in shards)
+    return max(GPT2_VOCAB, largest + 1) if headerless else largest + 1
+
+
+def _meta_json_vocab(path: Path) -> int:
+    try:
+        vocab = json.loads(path.read_text())["vocab_size"]
+    except (OSError, UnicodeError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a readable fastpt meta.json ({type(e).__name__}: {e})") from None
+    if not isinstance(vocab, int) or not 0 < vocab <= MAX_VOCAB:
+        raise DataError(f"{path}: vocab_size {vocab!r} is not a vocabulary size (1 to {MAX_VOCAB:,})")
+    return vocab
 
 
 def max_token_id(path: Path, headerless: bool) -> int:

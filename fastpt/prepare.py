@@ -1,6 +1,6 @@
-"""Text files -> tokenizer + train/val token shards.
+"""Text -> tokenizer + train/val token shards, streamed in bounded memory by parallel workers.
 
-python -m fastpt.prepare [INPUT ...] --out DIR [--tokenizer bpe|bytes] [--vocab-size N]
+python -m fastpt.prepare [INPUT ...] --out DIR [--tokenizer bpe|bytes|char|FILE|hf:NAME|tiktoken:NAME]
 
 With no INPUT the corpus is the running interpreter's standard-library .py sources:
 real text that every machine has, so nothing is downloaded.
@@ -8,22 +8,38 @@ real text that every machine has, so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import glob
+import contextlib
+import fcntl
+import fnmatch
+import itertools
 import json
+import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import sysconfig
+import threading
+import time
+from collections import deque
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
-from fastpt.data import write_shard
-from fastpt.tokenizer import BPETokenizer, ByteTokenizer
+from fastpt.errors import ConfigError, DataError, run_command
+from fastpt.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
+from fastpt.sources import Source, documents, find_sources
+from fastpt.tokenizer import KINDS, build_tokenizer, load_tokenizer
 
-VAL_EVERY = 50  # every 50th document goes to validation
-SHARD_TOKENS = 100_000_000
+VAL_FRACTION = 0.005
+MAX_VAL_FRACTION = 0.1
+MIN_VAL_TOKENS = 2049  # one eval window at seq_len 2048, the longest preset's
+SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards
+TOKENIZER_SAMPLE_MB = 100
+BATCH_CHARS = 1 << 20  # text per task sent to a worker: large enough to amortise the pickling
+DATASET_FILES = ("meta.json", "tokenizer.json", "train_*.bin", "val_*.bin", ".*.maxid")
 
 
 def stdlib_sources() -> list[Path]:
@@ -31,78 +47,234 @@ def stdlib_sources() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
 
 
-def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files, folders (every file below, sorted) and globs -> a sorted, de-duplicated file list."""
-    found: set[Path] = set()
-    for item in inputs:
-        matches = [Path(m) for m in glob.glob(item, recursive=True)] or [Path(item)]
-        for m in matches:
-            if m.is_dir():
-                found.update(p for p in m.rglob("*") if p.is_file())
-            elif m.is_file():
-                found.add(m)
-            else:
-                raise SystemExit(f"fastpt.prepare: input {item} does not exist")
-    return sorted(found)
+# ---- the output folder: checked, locked, written under a temporary name, renamed when complete
+
+def is_dataset(folder: Path) -> bool:
+    """A folder fastpt.prepare wrote: meta.json, and nothing but the files it writes."""
+    return (folder / "meta.json").is_file() and all(
+        any(fnmatch.fnmatch(p.name, pattern) for pattern in DATASET_FILES) for p in folder.iterdir())
 
 
-def read_documents(files: list[Path]) -> list[str]:
-    docs = [f.read_text(encoding="utf-8", errors="replace") for f in tqdm(files, desc="read files", unit="file")]
-    return [d for d in docs if d.strip()]
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that would destroy anything but an earlier dataset, and that one without --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out} is a file; --out takes a folder for the shards")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_dataset(out):
+            raise DataError(f"--out {out} exists and holds files that fastpt.prepare did not write: nothing deleted; "
+                            "choose a new or empty folder")
+        if not overwrite:
+            raise DataError(f"--out {out} already holds a prepared dataset: add --overwrite to replace it")
 
 
-def write_split(docs: list[str], tokenizer, out: Path, split: str, vocab_size: int) -> int:
-    """Tokenize documents (EOT before each) into shards of at most SHARD_TOKENS tokens."""
-    buffer: list[np.ndarray] = []
-    buffered = total = shard_index = 0
-
-    def flush() -> None:
-        nonlocal buffer, buffered, shard_index
-        write_shard(out / f"{split}_{shard_index:06d}.bin", np.concatenate(buffer), vocab_size)
-        buffer, buffered, shard_index = [], 0, shard_index + 1
-
-    bar = tqdm(total=len(docs), desc=f"tokenize {split}", unit="doc")
-    for i in range(0, len(docs), 256):
-        for ids in tokenizer.encode_batch(docs[i:i + 256]):
-            buffer.append(np.array([tokenizer.eot_id, *ids], dtype=np.uint32))
-            buffered += len(ids) + 1
-            total += len(ids) + 1
-            if buffered >= SHARD_TOKENS:
-                flush()
-        bar.update(min(256, len(docs) - i))
-        bar.set_postfix(tokens=f"{total:,}")
-    bar.close()
-    if buffer:
-        flush()
-    return total
+def lock_folder(path: Path, out: Path) -> int:
+    """Make and flock `path`; the returned descriptor holds the lock until closed. The OS drops
+    the lock when its process dies, so a killed prepare never leaves it stuck."""
+    while True:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # its owner renamed it to --out just now
+        except OSError as e:
+            raise DataError(f"--out {out}: cannot create {path} ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DataError(f"--out {out}: another fastpt.prepare is writing it (it holds {path}); "
+                            "wait for it to finish, or choose another --out") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)  # we locked the folder its owner has just renamed to --out: lock a fresh one
 
 
-def prepare(files: list[Path], out: str | Path, tokenizer: str = "bpe", vocab_size: int = 32000) -> dict:
-    """Build the tokenizer and shards into `out` (written to a temp folder, renamed when complete)."""
-    out = Path(out)
-    docs = read_documents(files)
-    if len(docs) < 2:
-        raise SystemExit(f"fastpt.prepare: need at least 2 non-empty documents, found {len(docs)}")
-    val = docs[::VAL_EVERY]
-    train = [d for i, d in enumerate(docs) if i % VAL_EVERY]
-    if tokenizer == "bytes":
-        tok = ByteTokenizer()
-    else:
-        print(f"training a byte-level BPE tokenizer (vocab {vocab_size}) on {len(train)} documents", flush=True)
-        tok = BPETokenizer.train(train, vocab_size)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok.save(tmp / "tokenizer.json")
-    meta = {
-        "tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
-        "documents": {"train": len(train), "val": len(val)},
-        "tokens": {s: write_split(d, tok, tmp, s, tok.vocab_size) for s, d in (("train", train), ("val", val))},
-        "sources": len(files),
-    }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    shutil.rmtree(out, ignore_errors=True)
+@contextlib.contextmanager
+def staging(out: Path) -> Iterator[Path]:
+    """A locked temporary folder beside `out`, renamed to `out` when the body completes and deleted
+    when it fails or is interrupted. Until then it carries the INCOMPLETE marker that train refuses."""
+    tmp = out.with_name(f".{out.name}.prepare-tmp")
+    fd = lock_folder(tmp, out)
+    try:
+        for stale in tmp.iterdir():  # what a killed prepare left behind
+            shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
+        (tmp / INCOMPLETE).touch()
+        yield tmp
+        (tmp / INCOMPLETE).unlink()
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an earlier dataset there (checked by check_out) is moved aside first."""
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+    old = out.with_name(f".{out.name}.prepare-old")
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
     tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- tokenizing in worker processes, in order, a bounded number of batches in flight
+
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_json: str, pooled: bool) -> None:
+    if pooled:  # one process per core already: the tokenizer's own threads would oversubscribe
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = load_tokenizer(tokenizer_json)
+    _worker.update(tok=tok, dtype=token_dtype(tok.vocab_size))
+
+
+def encode(pieces: list[tuple[str, bool]]) -> tuple[np.ndarray, int, int]:
+    """Pieces -> (their tokens, the document token before each document's first piece; text bytes; documents)."""
+    tok, eot = _worker["tok"], _worker["tok"].eot_id
+    parts: list[Iterable[int]] = []
+    for (_, starts), ids in zip(pieces, tok.encode_batch([text for text, _ in pieces])):
+        if starts and eot is not None:
+            parts.append((eot,))
+        parts.append(ids)
+    tokens = np.fromiter(itertools.chain.from_iterable(parts), _worker["dtype"], count=sum(map(len, parts)))
+    return tokens, sum(len(text.encode()) for text, _ in pieces), sum(starts for _, starts in pieces)
+
+
+def batches(pieces: Iterable[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+    batch, chars = [], 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[0])
+        if chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Workers are started ignoring Ctrl-C (they inherit it): only this process handles it, cleans
+    up and stops them, instead of every worker printing a traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def encode_all(items: Iterable, tokenizer_json: Path, workers: int) -> Iterator[tuple[np.ndarray, int, int]]:
+    """encode() over items, in order: in this process for one worker, else in a spawned pool with
+    at most two batches per worker in flight, so memory stays bounded whatever the corpus."""
+    if workers == 1:
+        _init_worker(str(tokenizer_json), pooled=False)
+        yield from map(encode, items)
+        return
+    with sigint_ignored():
+        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_json), True))
+    try:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.apply_async(encode, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: int, workers: int,
+             shard_tokens: int) -> tuple[list[Path], int, int]:
+    """Every document into train shards, written as they fill; returns (shards, documents, text bytes)."""
+    writer = ShardWriter(folder, "train", vocab_size, shard_tokens)
+    docs = nbytes = 0
+    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+        for tokens, n, d in encode_all(batches(documents(sources, text_field)), folder / "tokenizer.json", workers):
+            writer.write(tokens)
+            docs, nbytes = docs + d, nbytes + n
+            bar.update(n)
+            bar.set_postfix_str(f"{writer.total:,} tokens", refresh=False)
+    return writer.close(), docs, nbytes
+
+
+def hold_out_val(train: list[Path], total: int, val_fraction: float, folder: Path, vocab_size: int,
+                 shard_tokens: int) -> tuple[list[Path], list[Path]]:
+    """Move the tail of the token stream to val: val_fraction of it, at least one eval window,
+    at most MAX_VAL_FRACTION."""
+    n_val = min(max(round(total * val_fraction), MIN_VAL_TOKENS), int(total * MAX_VAL_FRACTION))
+    if n_val < 1:
+        raise DataError(f"the corpus is {total} tokens: too few to hold out any validation tokens")
+    val = ShardWriter(folder, "val", vocab_size, shard_tokens)
+    train = move_tail(train, n_val, val)
+    return train, val.close()
+
+
+def text_sample(sources: list[Source], text_field: str, mb: float) -> Iterator[str]:
+    """The first `mb` megabytes of the corpus (by characters), what bpe and char learn from."""
+    left = mb * 2**20
+    for text, _ in documents(sources, text_field):
+        if left <= 0:
+            return
+        left -= len(text)
+        yield text
+
+
+def check_options(tokenizer: str, vocab_size: int, val_fraction: float, workers: int, shard_tokens: int,
+                  tokenizer_sample_mb: float) -> None:
+    if tokenizer == "bpe" and not 257 <= vocab_size <= MAX_VOCAB:
+        raise ConfigError(f"--vocab-size {vocab_size}: must be 257 (256 bytes + end-of-text) to {MAX_VOCAB:,}")
+    if not 0 < val_fraction <= MAX_VAL_FRACTION:
+        raise ConfigError(f"--val-fraction {val_fraction}: must be in (0, {MAX_VAL_FRACTION}]")
+    if workers < 0:
+        raise ConfigError(f"--workers {workers}: must be >= 1, or 0 for all cores")
+    if not 1 <= shard_tokens < 2**31:
+        raise ConfigError(f"--shard-tokens {shard_tokens}: must be 1 to 2^31-1 (the header holds an int32)")
+    if not tokenizer_sample_mb > 0:
+        raise ConfigError(f"--tokenizer-sample {tokenizer_sample_mb}: must be > 0 (megabytes)")
+
+
+def all_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", vocab_size: int = 32000, *,
+            hf_dataset: str | None = None, text_field: str = "text", val_fraction: float = VAL_FRACTION,
+            workers: int = 0, shard_tokens: int = SHARD_TOKENS, tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
+            overwrite: bool = False) -> dict:
+    """Tokenize `inputs` (files, folders, globs; plus a Hub dataset) into train/val shards in `out`,
+    with tokenizer.json and meta.json; written under a temporary name, renamed when complete."""
+    out = Path(out)
+    check_options(tokenizer, vocab_size, val_fraction, workers, shard_tokens, tokenizer_sample_mb)
+    check_out(out, overwrite)
+    sources = find_sources(inputs, hf_dataset)
+    workers = workers or all_cores()
+    start = time.perf_counter()
+    with staging(out) as tmp:
+        tok = build_tokenizer(tokenizer, vocab_size, lambda: text_sample(sources, text_field, tokenizer_sample_mb))
+        tok.save(tmp / "tokenizer.json")
+        if tok.eot_id is None:
+            print("note: the tokenizer has no end-of-text or BOS token: documents are joined without one", flush=True)
+        shards, docs, nbytes = tokenize(sources, text_field, tmp, tok.vocab_size, workers, shard_tokens)
+        train, val = hold_out_val(shards, count_tokens(shards), val_fraction, tmp, tok.vocab_size, shard_tokens)
+        meta = {
+            "format": "fastpt", "tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+            "tokens": {"train": count_tokens(train), "val": count_tokens(val)},
+            "shards": {"train": len(train), "val": len(val)},
+            "documents": docs, "text_bytes": nbytes, "sources": len(sources), "text_field": text_field,
+            "val_fraction": val_fraction, "seconds": round(time.perf_counter() - start, 1),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
 
 
@@ -118,24 +290,46 @@ def default_corpus(vocab_size: int) -> Path:
     out = cache_dir() / f"stdlib-{version}-bpe{vocab_size}"
     if not (out / "meta.json").is_file():
         print(f"preparing the default corpus (Python stdlib sources) into {out} (once)", flush=True)
-        prepare(stdlib_sources(), out, "bpe", vocab_size)
+        # in this process: the trainer has imported torch, and spawned workers would import it again
+        prepare(stdlib_sources(), out, "bpe", vocab_size, workers=1)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="*", help="text files, folders or globs (default: the Python stdlib sources)")
+    ap.add_argument("inputs", nargs="*", help="text, .jsonl/.json(.gz/.zst), .parquet files, folders, globs, "
+                                              "saved Hugging Face datasets (default: the Python stdlib sources)")
     ap.add_argument("--out", required=True, help="output folder for shards, tokenizer.json, meta.json")
-    ap.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe", help="tokenizer kind (default: %(default)s)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a dataset already in --out (default: %(default)s)")
+    ap.add_argument("--tokenizer", default="bpe", help=f"{KINDS} (default: %(default)s)")
     ap.add_argument("--vocab-size", type=int, default=32000, help="BPE vocabulary size (default: %(default)s)")
-    args = ap.parse_args(argv)
-    if args.vocab_size < 257:
-        ap.error(f"--vocab-size must be at least 257 (256 bytes + end-of-text), got {args.vocab_size}")
-    files = expand_inputs(args.inputs) if args.inputs else stdlib_sources()
-    meta = prepare(files, args.out, args.tokenizer, args.vocab_size)
+    ap.add_argument("--tokenizer-sample", type=float, default=TOKENIZER_SAMPLE_MB, metavar="MB",
+                    help="bpe and char learn from the corpus's first MB megabytes (default: %(default)s)")
+    ap.add_argument("--hf-dataset", metavar="NAME[:CONFIG][:SPLIT]",
+                    help="also stream this Hugging Face Hub dataset (default: %(default)s)")
+    ap.add_argument("--text-field", default="text",
+                    help="JSONL field / parquet or dataset column (default: %(default)s)")
+    ap.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
+                    help=f"tail of the tokens held out for validation, at most {MAX_VAL_FRACTION} "
+                         f"(default: %(default)s, at least {MIN_VAL_TOKENS} tokens)")
+    ap.add_argument("--workers", type=int, default=0, help="tokenizer processes; 0 = all cores (default: %(default)s)")
+    ap.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard (default: %(default)s)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    inputs = args.inputs or ([] if args.hf_dataset else stdlib_sources())
+    meta = prepare(inputs, args.out, args.tokenizer, args.vocab_size, hf_dataset=args.hf_dataset,
+                   text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
+                   shard_tokens=args.shard_tokens, tokenizer_sample_mb=args.tokenizer_sample,
+                   overwrite=args.overwrite)
+    mb_s = meta["text_bytes"] / 2**20 / max(meta["seconds"], 1e-9)
     print(f"wrote {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
-          f"(vocab {meta['vocab_size']}) to {args.out}")
+          f"(vocab {meta['vocab_size']}, {meta['documents']:,} documents) to {args.out} "
+          f"in {meta['seconds']:.1f} s ({mb_s:.1f} MB/s)")
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -1,11 +1,30 @@
-"""Tokenizers trained or built locally: byte-level BPE (Hugging Face `tokenizers`) or raw bytes."""
+"""Tokenizers: trained here (byte-level BPE, characters), raw bytes, or pretrained (any Hugging Face
+tokenizer.json, a Hub name, tiktoken). Each saves itself as a tokenizer.json that load_tokenizer
+reads back, so a data folder, and a run folder, are enough to decode.
+
+Every kind has the same interface: `encode_batch(list[str]) -> list[list[int]]` (no special
+tokens added), `decode(ids) -> str` (special ids and ids outside the vocab are skipped, never an
+error), `eot_id` (the token that starts every document, or None) and `vocab_size`.
+"""
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
+
+from fastpt.errors import DataError, require
 
 EOT = "<|endoftext|>"
+# The token put before every document: the tokenizer's BOS when it has one (what Llama-style models
+# see at a document's start), else its end-of-text (GPT-2, Qwen); the first one present wins.
+DOC_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", EOT, "<|end_of_text|>", "</s>", "<eos>")
+KINDS = "bpe, bytes, char, a tokenizer.json (file or folder), hf:NAME or tiktoken:NAME"
+
+
+def _save_json(path: Path, config: dict) -> None:
+    path.write_text(json.dumps(config, ensure_ascii=False))
 
 
 class ByteTokenizer:
@@ -18,22 +37,56 @@ class ByteTokenizer:
         return [list(t.encode("utf-8")) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"type": "bytes", "vocab_size": self.vocab_size}))
+        _save_json(path, {"type": "bytes", "vocab_size": self.vocab_size})
 
 
-class BPETokenizer:
-    """Byte-level BPE; every byte is in the alphabet, so no text is ever out of vocabulary."""
+class CharTokenizer:
+    """One id per character, as nanoGPT's shakespeare_char; plus an end-of-text id after them
+    when made here (nanoGPT's own meta.pkl vocabularies have none)."""
+
+    def __init__(self, chars: str, eot: bool = True):
+        self.chars = chars
+        self.index = {c: i for i, c in enumerate(chars)}
+        self.eot_id = len(chars) if eot else None
+        self.vocab_size = len(chars) + eot
+
+    @classmethod
+    def train(cls, texts: Iterable[str]) -> "CharTokenizer":
+        seen: set[str] = set()
+        for t in texts:
+            seen.update(t)
+        return cls("".join(sorted(seen)))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        try:
+            return [[self.index[c] for c in t] for t in texts]
+        except KeyError as e:
+            raise DataError(f"character {e.args[0]!r} (U+{ord(e.args[0]):04X}) is not in the char vocabulary, "
+                            "which was built from a sample of the corpus: raise --tokenizer-sample") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i] for i in ids if 0 <= i < len(self.chars))
+
+    def save(self, path: Path) -> None:
+        _save_json(path, {"type": "char", "chars": self.chars, "eot": self.eot_id is not None})
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer: trained here (byte-level BPE) or any tokenizer.json."""
 
     def __init__(self, tok):
         self.tok = tok
-        self.vocab_size = tok.get_vocab_size()
-        self.eot_id = tok.token_to_id(EOT)
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = next((i for t in DOC_TOKENS if (i := tok.token_to_id(t)) is not None), None)
+        # encode_batch_fast (tokenizers >= 0.21) skips the offsets nobody here reads
+        self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = True) -> "BPETokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = True) -> "HFTokenizer":
+        """Byte-level BPE: every byte is in the alphabet, so no text is ever out of vocabulary."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())
@@ -47,22 +100,130 @@ class BPETokenizer:
         return cls(tok)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tok.encode_batch(texts)]
+        return [e.ids for e in self._encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return self.tok.decode(list(ids))
+        return self.tok.decode([i for i in ids if 0 <= i < self.vocab_size])
 
     def save(self, path: Path) -> None:
         self.tok.save(str(path))
 
 
-def load_tokenizer(path: str | Path):
-    """Load a tokenizer.json written by fastpt.prepare."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json (was the data made by fastpt.prepare?)")
-    if json.loads(path.read_text()).get("type") == "bytes":
-        return ByteTokenizer()
-    from tokenizers import Tokenizer
+class TiktokenTokenizer:
+    """An OpenAI tiktoken encoding by name (gpt2, cl100k_base, ...); its file comes from tiktoken's cache
+    or the internet."""
 
-    return BPETokenizer(Tokenizer.from_file(str(path)))
+    def __init__(self, name: str):
+        tiktoken = require("tiktoken", f"the tokenizer tiktoken:{name}")
+        try:
+            self.enc = tiktoken.get_encoding(name)
+        except Exception as e:  # an unknown name, or no network and no cached file
+            raise DataError(f"tiktoken:{name}: cannot load the encoding ({e})") from None
+        self.name = name
+        self.vocab_size = self.enc.n_vocab
+        self.eot_id = self.enc.eot_token
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_ordinary_batch(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.enc.decode([i for i in ids if 0 <= i < self.vocab_size and i != self.eot_id])
+
+    def save(self, path: Path) -> None:
+        _save_json(path, {"type": "tiktoken", "name": self.name})
+
+
+def build_tokenizer(spec: str, vocab_size: int, sample: Callable[[], Iterable[str]]):
+    """The tokenizer `spec` names; `sample()` yields the texts that bpe and char learn from."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec == "char":
+        return CharTokenizer.train(sample())
+    if spec == "bpe":
+        return HFTokenizer.train(sample(), vocab_size)
+    if spec.startswith("tiktoken:"):
+        return TiktokenTokenizer(spec.removeprefix("tiktoken:"))
+    if spec.startswith("hf:"):
+        from tokenizers import Tokenizer
+
+        try:
+            return HFTokenizer(Tokenizer.from_pretrained(spec.removeprefix("hf:")))
+        except Exception as e:  # offline, a private repo, or no tokenizer.json in it
+            raise DataError(f"--tokenizer {spec}: cannot fetch it from the Hugging Face Hub ({e})") from None
+    if not Path(spec).exists():
+        raise DataError(f"--tokenizer {spec}: no such file; give {KINDS}")
+    return load_tokenizer(spec)
+
+
+def load_tokenizer(path: str | Path):
+    """Load any tokenizer.json that fastpt writes (every kind above) or a Hugging Face tokenizer.json;
+    a folder means the tokenizer.json inside it."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+        config = json.loads(text)
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such tokenizer file (was the data made by fastpt.prepare?)") from None
+    except (OSError, UnicodeError, ValueError) as e:
+        raise DataError(f"{path}: not a readable tokenizer.json ({e})") from None
+    kind = config.get("type") if isinstance(config, dict) else None
+    try:
+        if kind == "bytes":
+            return ByteTokenizer()
+        if kind == "char":
+            return CharTokenizer(config["chars"], config["eot"])
+        if kind == "tiktoken":
+            return TiktokenTokenizer(config["name"])
+        from tokenizers import Tokenizer
+
+        return HFTokenizer(Tokenizer.from_str(text))
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{path}: a {kind} tokenizer.json without a valid {e}") from None
+    except Exception as e:  # tokenizers' own parse error: not a Hugging Face tokenizer.json either
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path}: not a tokenizer.json that fastpt or Hugging Face tokenizers can read ({e})") from None
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        """nanoGPT's meta.pkl holds only dicts, strings and ints: refuse any class, as loading
+        one can run code."""
+        raise pickle.UnpicklingError(f"it names {module}.{name}, a meta.pkl holds only dicts, strings and ints")
+
+
+def read_nanogpt_meta(path: Path) -> dict:
+    """nanoGPT's meta.pkl ({'vocab_size', 'itos', 'stoi'} for char-level data), read safely."""
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainUnpickler(f).load()
+        if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] < 1:
+            raise ValueError("no integer vocab_size")
+        return meta
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise DataError(f"{path}: not a nanoGPT meta.pkl ({e})") from None
+
+
+def char_tokenizer_from_meta(meta: dict, path: Path) -> CharTokenizer:
+    """nanoGPT's char vocabulary (itos: id -> character), without an end-of-text id."""
+    try:
+        return CharTokenizer("".join(meta["itos"][i] for i in range(meta["vocab_size"])), eot=False)
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{path}: a char meta.pkl needs itos for every id below vocab_size (missing {e})") from None
+
+
+def copy_for_run(data_dir: Path, run_dir: Path) -> None:
+    """Write run_dir/tokenizer.json, what fastpt.sample needs to decode this data: the data's own
+    tokenizer.json; the char vocabulary of nanoGPT's meta.pkl; or, for headerless nanoGPT data
+    without one, GPT-2's (tiktoken), which is what nanoGPT assumes there. Nothing when unknown."""
+    data_dir, run_dir = Path(data_dir), Path(run_dir)
+    if (data_dir / "tokenizer.json").is_file():
+        shutil.copyfile(data_dir / "tokenizer.json", run_dir / "tokenizer.json")
+    elif (data_dir / "meta.pkl").is_file():
+        meta = read_nanogpt_meta(data_dir / "meta.pkl")
+        if "itos" in meta:
+            char_tokenizer_from_meta(meta, data_dir / "meta.pkl").save(run_dir / "tokenizer.json")
+    elif (data_dir / "train.bin").is_file():
+        _save_json(run_dir / "tokenizer.json", {"type": "tiktoken", "name": "gpt2"})

@@ -19,7 +19,7 @@ def tiny_data(tmp_path_factory) -> Path:
     """Byte-level shards over the project's own sources: real text, made locally, in seconds."""
     files = sorted((REPO / "fastpt").glob("*.py")) + sorted((REPO / "kernels").rglob("*.py"))
     out = tmp_path_factory.mktemp("data") / "tiny"
-    prepare(files, out, "bytes")
+    prepare(files, out, "bytes", workers=1)
     return out
 
 
@@ -30,7 +30,7 @@ def bpe_data(tmp_path_factory) -> Path:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(stdlib.glob("*.py"))[:40]
     out = tmp_path_factory.mktemp("data") / "bpe"
-    prepare(files, out, "bpe", 512)
+    prepare(files, out, "bpe", 512, workers=1)
     return out
 
 
@@ -50,3 +50,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 TINY = ("--device", "cpu", "--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4")
+
+
+def run_main(main, args: list[str], capsys) -> tuple[int, str, str]:
+    """A command's main in this process, as its `python -m` entry runs it: (exit code, stdout, stderr)."""
+    from fastpt.errors import run_command
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_command(lambda: main(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err

@@ -1,0 +1,361 @@
+"""Bring your own data: every input format and tokenizer kind gives shards that decode to the
+source text, the output folder is safe and locked, Ctrl-C cleans up, and every data mistake is
+one line that names the file."""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, run_train
+from fastpt import prepare, train
+from fastpt.data import data_vocab, find_shards, read_shard, write_shard
+from fastpt.errors import run_command
+from fastpt.sources import parse_hub_spec
+from fastpt.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
+
+DOCS = ["First document.\nIt has two lines.", "Ünïcödé — 日本語 and emoji 🙂", "x",
+        "  leading spaces\tand tabs",
+        "A longer one: " + "lorem ipsum dolor sit amet " * 40]
+BYTES_EOT = ByteTokenizer.eot_id
+
+
+def stream(folder: Path) -> np.ndarray:
+    """All tokens of a dataset in order: train shards, then val (the held-out tail)."""
+    return np.concatenate([read_shard(p) for p in find_shards(folder, "train") + find_shards(folder, "val")])
+
+
+def split_docs(tokens: np.ndarray, eot: int) -> list[np.ndarray]:
+    """Documents of a token stream where each one starts with the end-of-text token."""
+    assert tokens[0] == eot
+    return [d[1:] for d in np.split(tokens, np.flatnonzero(tokens == eot))[1:]]
+
+
+def cli(capsys, main, argv: list[str]) -> tuple[int, str]:
+    """A command's main as the shell runs it: exit code and stderr."""
+    with pytest.raises(SystemExit) as stop:
+        run_command(lambda: main(argv))
+    return stop.value.code, capsys.readouterr().err
+
+
+def assert_one_line_error(err: str, *named: str) -> None:
+    lines = [line for line in err.splitlines() if line.startswith("fastpt: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(n in lines[0] for n in named), lines[0]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 400) -> "Tokenizer":  # noqa: F821
+    """A GPT-2-style byte-level BPE made by `tokenizers` itself, standing in for a downloaded one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    return tok
+
+
+@pytest.mark.parametrize("size, fraction, expected_val", [
+    (100_000, 0.05, 5000),  # the fraction, over several shards
+    (100_000, 0.001, 2049),  # at least one eval window at seq_len 2048
+    (8_000, 0.005, 800),  # never more than 10%
+])
+def test_single_file_gives_train_and_val_with_val_the_tail(tmp_path, size, fraction, expected_val):
+    text = (DOCS[-1] * (size // len(DOCS[-1]) + 1))[:size]
+    (tmp_path / "input.txt").write_text(text)
+    meta = prepare.prepare([tmp_path / "input.txt"], tmp_path / "out", "bytes", val_fraction=fraction,
+                           workers=1, shard_tokens=30_000)
+    tokens = stream(tmp_path / "out")
+    assert bytes(tokens[1:].astype(np.uint8)).decode() == text and tokens[0] == BYTES_EOT
+    val = np.concatenate([read_shard(p) for p in find_shards(tmp_path / "out", "val")])
+    assert meta["tokens"] == {"train": size + 1 - expected_val, "val": expected_val} and len(val) == expected_val
+    np.testing.assert_array_equal(val, tokens[-expected_val:])
+    if size == 100_000:
+        assert len(find_shards(tmp_path / "out", "train")) == 4  # 100,001 - 5000 tokens in shards of 30k
+
+
+def write_jsonl(path: Path, docs: list[str], field: str = "text") -> None:
+    lines = "".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)) + "\n"  # a blank line too
+    opener = gzip.open if path.suffix == ".gz" else open
+    if path.suffix == ".zst":
+        import zstandard
+        path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+        return
+    with opener(path, "wt", encoding="utf-8") as f:
+        f.write(lines)
+
+
+def write_parquet(path: Path, docs: list[str], field: str = "text") -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=2)
+
+
+def write_saved_dataset(path: Path, docs: list[str], field: str = "text") -> None:
+    import datasets
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({field: docs})}).save_to_disk(str(path))
+
+
+@pytest.mark.parametrize("name, write, field, workers", [
+    ("docs.jsonl", write_jsonl, "text", 1),
+    ("docs.jsonl.gz", write_jsonl, "text", 2),  # through the worker pool: order kept
+    ("docs.json.zst", write_jsonl, "body", 1),
+    ("docs.parquet", write_parquet, "content", 1),
+    ("saved", write_saved_dataset, "text", 1),
+])
+def test_record_inputs_decode_to_the_source_documents(tmp_path, name, write, field, workers):
+    docs = DOCS + ["", "after an empty record"]
+    write(tmp_path / name, docs, field)
+    meta = prepare.prepare([tmp_path / name], tmp_path / "out", "bytes", text_field=field, workers=workers)
+    got = [bytes(d.astype(np.uint8)).decode() for d in split_docs(stream(tmp_path / "out"), BYTES_EOT)]
+    assert got == [d for d in docs if d] and meta["documents"] == len(docs) - 1
+
+
+def test_a_pretrained_tokenizer_json_gives_its_own_ids_and_trains(tmp_path):
+    tok = train_tokenizer(DOCS * 3)
+    (tmp_path / "gpt2ish").mkdir()
+    tok.save(str(tmp_path / "gpt2ish" / "tokenizer.json"))
+    docs = [f"{DOCS[i % len(DOCS)]} {i}" for i in range(300)]
+    write_jsonl(tmp_path / "web.jsonl", docs)
+    meta = prepare.prepare([tmp_path / "web.jsonl"], tmp_path / "data", str(tmp_path / "gpt2ish"), workers=1)
+    eot = tok.token_to_id("<|endoftext|>")
+    assert meta["vocab_size"] == tok.get_vocab_size() and meta["eot_id"] == eot
+    headers = [np.fromfile(p, "<i4", 4) for p in find_shards(tmp_path / "data", "train")]
+    assert all(h[3] == tok.get_vocab_size() for h in headers)  # the header records the true vocab
+    got = [d.tolist() for d in split_docs(stream(tmp_path / "data"), eot)]
+    assert got == [e.ids for e in tok.encode_batch(docs)]
+
+    result = run_train("--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), *TINY, "--max-steps", "3")
+    assert result.returncode == 0, result.stderr
+    ours = load_tokenizer(tmp_path / "run" / "tokenizer.json")  # what fastpt.sample decodes with
+    assert ours.vocab_size == tok.get_vocab_size() and ours.decode(got[7]) == docs[7]
+
+
+def test_char_tokenizer_round_trips(tmp_path):
+    text = "".join(DOCS)
+    (tmp_path / "input.txt").write_text(text)
+    meta = prepare.prepare([tmp_path / "input.txt"], tmp_path / "out", "char", workers=1)
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert isinstance(tok, CharTokenizer) and meta["vocab_size"] == len(set(text)) + 1 == tok.vocab_size
+    assert tok.decode(stream(tmp_path / "out").tolist()) == text
+
+
+def test_decode_never_fails_on_ids_outside_the_vocab():
+    hf = HFTokenizer(train_tokenizer(DOCS))
+    for tok in (ByteTokenizer(), CharTokenizer("abc"), CharTokenizer("abc", eot=False), hf):
+        ids = tok.encode_batch(["abc"])[0]
+        assert tok.decode(ids + [tok.vocab_size, tok.vocab_size + 1000, -1]) == "abc"
+
+
+def test_nanogpt_char_data_with_meta_pkl_trains_and_decodes(tmp_path):
+    text = "".join(DOCS) * 20
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    data = tmp_path / "shakespeare_char"
+    data.mkdir()
+    ids[:len(ids) * 9 // 10].tofile(data / "train.bin")
+    ids[len(ids) * 9 // 10:].tofile(data / "val.bin")
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
+    shards = find_shards(data, "train", "nanogpt") + find_shards(data, "val", "nanogpt")
+    assert data_vocab(data, shards, headerless=True) == len(chars)
+
+    result = run_train("--data", str(data), "--data-format", "nanogpt", "--out", str(tmp_path / "run"), *TINY,
+                       "--max-steps", "3")
+    assert result.returncode == 0, result.stderr
+    copy_for_run(data, tmp_path / "run")  # what the trainer writes for fastpt.sample
+    tok = load_tokenizer(tmp_path / "run" / "tokenizer.json")
+    assert tok.vocab_size == len(chars) and tok.eot_id is None and tok.decode(ids.tolist()) == text
+
+
+def test_headerless_data_without_meta_is_gpt2(tmp_path):
+    """nanoGPT's own rule: no meta.pkl means GPT-2 tokens, so the end-of-text id 50256 is in the vocab
+    even when the data never uses it, and the run folder names GPT-2's tokenizer."""
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    assert data_vocab(tmp_path, [tmp_path / "train.bin"], headerless=True) == 50257
+    (tmp_path / "run").mkdir()
+    copy_for_run(tmp_path, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "tokenizer.json").read_text()) == {"type": "tiktoken", "name": "gpt2"}
+
+
+def test_out_is_never_a_users_folder_and_replacing_a_dataset_needs_overwrite(tmp_path, capsys):
+    (tmp_path / "input.txt").write_text(DOCS[-1])
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("my notes")
+    argv = [str(tmp_path / "input.txt"), "--tokenizer", "bytes", "--workers", "1", "--out"]
+    code, err = cli(capsys, prepare.main, argv + [str(notes)])
+    assert code == 2 and (notes / "todo.txt").read_text() == "my notes" and os.listdir(notes) == ["todo.txt"]
+    assert_one_line_error(err, str(notes), "nothing deleted")
+
+    assert cli(capsys, prepare.main, argv + [str(tmp_path / "data")])[0] == 0
+    code, err = cli(capsys, prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char"])
+    assert code == 2 and load_tokenizer(tmp_path / "data").vocab_size == 257
+    assert_one_line_error(err, str(tmp_path / "data"), "--overwrite")
+    assert cli(capsys, prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char", "--overwrite"])[0] == 0
+    assert isinstance(load_tokenizer(tmp_path / "data"), CharTokenizer)
+    assert sorted(os.listdir(tmp_path)) == ["data", "input.txt", "notes"]  # no temporary folder left
+
+
+@pytest.fixture(scope="module")
+def slow_corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """A corpus that takes a BPE tokenizer seconds to get through, and that tokenizer."""
+    folder = tmp_path_factory.mktemp("slow")
+    text = (REPO / "fastpt" / "train.py").read_text()
+    (folder / "big.txt").write_text(text * (16 * 2**20 // len(text)))
+    train_tokenizer([text]).save(str(folder / "tokenizer.json"))
+    return folder / "big.txt", folder / "tokenizer.json"
+
+
+def start_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int) -> subprocess.Popen:
+    """fastpt.prepare in a real process, returned once it is writing shards into its temporary folder."""
+    proc = subprocess.Popen([sys.executable, "-m", "fastpt.prepare", str(corpus), "--tokenizer", str(tokenizer),
+                             "--out", str(out), "--workers", str(workers)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tmp = out.with_name(f".{out.name}.prepare-tmp")
+    deadline = time.monotonic() + 60
+    while not (tmp / "train_000000.bin").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    return proc
+
+
+def test_ctrl_c_exits_130_with_one_line_and_leaves_no_temporary_folder(tmp_path, slow_corpus):
+    proc = start_prepare(*slow_corpus, tmp_path / "data", workers=2)
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert_one_line_error(err, "interrupted")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_second_prepare_on_the_same_out_is_refused_and_a_killed_one_leaves_no_lock(tmp_path, slow_corpus, capsys):
+    out = tmp_path / "data"
+    first = start_prepare(*slow_corpus, out, workers=1)
+    try:
+        code, err = cli(capsys, prepare.main, [str(slow_corpus[0]), "--out", str(out), "--tokenizer", "bytes"])
+        assert code == 2
+        assert_one_line_error(err, str(out), "another fastpt.prepare")
+    finally:
+        first.kill()
+        first.communicate()
+    (tmp_path / "small.txt").write_text(DOCS[-1])
+    code, _ = cli(capsys, prepare.main, [str(tmp_path / "small.txt"), "--out", str(out), "--tokenizer", "bytes"])
+    assert code == 0 and sorted(os.listdir(tmp_path)) == ["data", "small.txt"]  # the killed one's leftovers gone
+    assert find_shards(out, "val")
+
+
+def test_hub_dataset_spec():
+    assert parse_hub_spec("HuggingFaceFW/fineweb-edu:sample-10BT") == ("HuggingFaceFW/fineweb-edu", "sample-10BT",
+                                                                       "train")
+    assert parse_hub_spec("roneneldan/TinyStories::validation") == ("roneneldan/TinyStories", None, "validation")
+
+
+def make_shards(folder: Path) -> Path:
+    folder.mkdir()
+    write_shard(folder / "train_000000.bin", np.arange(2000) % 250, 257)
+    write_shard(folder / "val_000000.bin", np.arange(500) % 250, 257)
+    return folder
+
+
+def unreadable(path: Path) -> None:
+    """A file the OS refuses to open, even for root: a socket."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+
+
+PREPARE_MISTAKES = {  # name -> (set up tmp_path, argv; FILE is tmp_path / "f"), what the error names
+    "unreadable input": (lambda f: unreadable(f), ["FILE"], "FILE"),
+    "dangling symlink input": (lambda f: f.symlink_to(f.with_name("gone.txt")), ["FILE"], "FILE"),
+    "parquet given as text": (lambda f: write_parquet(f, DOCS), ["FILE"], "FILE"),
+    "NUL bytes": (lambda f: f.write_bytes(b"text\0\1\2binary"), ["FILE"], "FILE"),
+    "--out names a file": (lambda f: f.write_text("text"), ["FILE", "--out", "FILE"], "FILE"),
+    "not a JSON line": (lambda f: f.with_suffix(".jsonl").write_text('{"text": "ok"}\n{oops\n'),
+                        ["FILE.jsonl"], "FILE.jsonl:2"),
+    "no text field": (lambda f: write_jsonl(f.with_suffix(".jsonl"), DOCS, "content"), ["FILE.jsonl"], "FILE.jsonl:1"),
+    "missing tokenizer": (lambda f: f.write_text("text"), ["FILE", "--tokenizer", "missing.json"], "missing.json"),
+    "corrupt tokenizer": (lambda f: f.with_suffix(".json").write_text("{oops"),
+                          [str(REPO / "README.md"), "--tokenizer", "FILE.json"], "FILE.json"),
+    "no such input": (lambda f: None, ["FILE"], "FILE"),
+}
+
+
+@pytest.mark.parametrize("case", PREPARE_MISTAKES)
+def test_prepare_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys):
+    setup, argv, named = PREPARE_MISTAKES[case]
+    setup(tmp_path / "f")
+    argv = [a.replace("FILE", str(tmp_path / "f")) for a in argv]
+    code, err = cli(capsys, prepare.main, argv + (["--out", str(tmp_path / "out")] if "--out" not in argv else []))
+    assert code == 2
+    assert_one_line_error(err, named.replace("FILE", str(tmp_path / "f")))
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.prepare-tmp").exists()
+
+
+def set_vocab(path: Path, vocab: int) -> None:
+    header = np.fromfile(path, "<i4", 256)
+    header[3] = vocab
+    with open(path, "r+b") as f:
+        f.write(header.tobytes())
+
+
+def replace_with_dir(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def dangle(path: Path) -> None:
+    path.unlink()
+    path.symlink_to(path.with_name("gone.bin"))
+
+
+def nanogpt(folder: Path) -> None:
+    for split in ("train", "val"):
+        (folder / f"{split}_000000.bin").unlink()
+    np.arange(3000, dtype=np.uint16).tofile(folder / "train.bin")
+    (folder / "val.bin").write_bytes(b"")
+
+
+TRAIN_MISTAKES = {  # name -> (edit a shard folder d, --data, extra flags, what the error names)
+    "a text file": (lambda d: (d / "notes.txt").write_text("text"), "{d}/notes.txt", [],
+                    "python -m fastpt.prepare {d}/notes.txt --out DIR"),
+    "a folder of text": (lambda d: [p.unlink() for p in d.glob("*.bin")] + [(d / "a.txt").write_text("x")], "{d}", [],
+                         "python -m fastpt.prepare {d} --out DIR"),
+    "unreadable shard": (lambda d: replace_with_dir(d / "val_000000.bin"), "{d}", [], "{d}/val_000000.bin"),
+    "dangling symlink shard": (lambda d: dangle(d / "train_000000.bin"), "{d}", [], "{d}/train_000000.bin"),
+    "corrupt meta.json": (lambda d: (d / "meta.json").write_text("{oops"), "{d}", [], "{d}/meta.json"),
+    "meta.json vocab not a number": (lambda d: (d / "meta.json").write_text('{"vocab_size": "x"}'), "{d}", [],
+                                     "{d}/meta.json"),
+    "header vocab 2^31-1": (lambda d: set_vocab(d / "train_000000.bin", 2**31 - 1), "{d}", [], "{d}/train_000000.bin"),
+    "empty headerless val.bin": (nanogpt, "{d}", ["--data-format", "nanogpt"], "{d}/val.bin"),
+    "corrupt meta.pkl": (lambda d: nanogpt(d) or (d / "meta.pkl").write_bytes(b"\x80\x04junk"), "{d}",
+                         ["--data-format", "nanogpt"], "{d}/meta.pkl"),
+    "meta.pkl that runs code": (lambda d: nanogpt(d) or (d / "meta.pkl").write_bytes(pickle.dumps(os.getcwd)), "{d}",
+                                ["--data-format", "nanogpt"], "{d}/meta.pkl"),
+    "interrupted prepare": (lambda d: (d / ".incomplete").touch(), "{d}", [], "{d} is an unfinished fastpt.prepare"),
+    "nanoGPT data as llmc": (nanogpt, "{d}", [], "--data-format nanogpt"),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_MISTAKES)
+def test_train_data_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys):
+    edit, data, extra, named = TRAIN_MISTAKES[case]
+    folder = make_shards(tmp_path / "data")
+    edit(folder)
+    code, err = cli(capsys, train.main, [*TINY, "--data", data.format(d=folder), "--out", str(tmp_path / "run"),
+                                         "--max-steps", "1", *extra])
+    assert code == 2
+    assert_one_line_error(err, named.format(d=folder))
