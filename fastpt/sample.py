@@ -165,8 +165,8 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_command(lambda: run(parse_args(argv)))
+    run(parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, read_metrics, run_train
+from conftest import TINY, read_metrics, run_main, run_train
 from fastpt import export, hf, sample
 from fastpt.config import PRESETS, ModelConfig
 from fastpt.data import TrainLoader, Windows, find_shards
@@ -36,13 +36,6 @@ def randomize_norms(model: torch.nn.Module) -> None:
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids)[0] if isinstance(model, Transformer) else model(ids).logits  # (B, T, V)
-
-
-def run_cli(main, args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(args)
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
 
 
 def assert_one_line_error(code: int, err: str, *words: str) -> None:
@@ -137,7 +130,7 @@ def test_a_tokenizer_without_a_hugging_face_twin_exports_the_weights_alone(run_d
 
 def test_greedy_sampling_from_the_export_equals_the_checkpoint(run_dir, exported, capsys):
     def greedy(path) -> str:
-        code, out, err = run_cli(sample.main, ["--ckpt", str(path), "--prompt", "def ", "--temperature", "0",
+        code, out, err = run_main(sample.main, ["--ckpt", str(path), "--prompt", "def ", "--temperature", "0",
                                                "--max-new-tokens", "24", "--device", "cpu"], capsys)
         assert code == 0, err
         return out
@@ -242,12 +235,12 @@ def test_export_refuses_to_overwrite_unless_asked(run_dir, tmp_path, capsys):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    assert_one_line_error(*run_cli(export.main, [str(run_dir), "--out", str(out)], capsys)[::2], "--overwrite")
-    assert_one_line_error(*run_cli(export.main, [str(run_dir), "--out", str(run_dir), "--overwrite"], capsys)[::2],
+    assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out)], capsys)[::2], "--overwrite")
+    assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(run_dir), "--overwrite"], capsys)[::2],
                           "holds the checkpoint")
-    assert_one_line_error(*run_cli(export.main, [str(run_dir), "--out", str(out), "--max-shard-size", "lots"],
+    assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out), "--max-shard-size", "lots"],
                                    capsys)[::2], "--max-shard-size")
-    code, _, err = run_cli(export.main, [str(sample.find_checkpoint(run_dir)), "--out", str(out), "--overwrite",
+    code, _, err = run_main(export.main, [str(sample.find_checkpoint(run_dir)), "--out", str(out), "--overwrite",
                                          "--dtype", "bf16"], capsys)
     assert code == 0, err
     assert not (out / "notes.txt").exists()
@@ -256,7 +249,7 @@ def test_export_refuses_to_overwrite_unless_asked(run_dir, tmp_path, capsys):
 
 
 def test_export_help_lists_its_options(capsys):
-    code, out, _ = run_cli(export.main, ["--help"], capsys)
+    code, out, _ = run_main(export.main, ["--help"], capsys)
     assert code == 0
     for option in ("RUN_DIR_OR_CKPT", "--out", "--dtype", "--max-shard-size", "--tokenizer", "--overwrite"):
         assert option in out

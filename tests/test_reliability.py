@@ -23,10 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_metrics, run_train
+from conftest import REPO, TINY, read_metrics, run_main, run_train
 from fastpt import checkpoint, metrics
 from fastpt.data import write_shard
-from fastpt.errors import run_command
 from fastpt.train import main
 
 FAULTY_TRAIN = r"""
@@ -261,10 +260,8 @@ BAD_ARGS = {
 
 
 def fails_with(capsys, argv: list[str], expected: str) -> None:
-    with pytest.raises(SystemExit) as stop:
-        run_command(lambda: main(argv))
-    err = capsys.readouterr().err
-    assert stop.value.code == 2
+    code, _, err = run_main(main, argv, capsys)
+    assert code == 2
     assert err.startswith("fastpt: error: ") and err.count("\n") == 1, err
     assert expected in err
 

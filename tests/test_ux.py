@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_metrics, run_train
+from conftest import REPO, TINY, read_metrics, run_main, run_train
 from fastpt import checkpoint, plot, prepare, sample, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import MissingPackage
@@ -97,16 +97,9 @@ def test_compiled_generation_matches_eager(run_dir):
     assert sample.generate(compiled, prompt, 12, temperature=0) == sample.generate(model, prompt, 12, temperature=0)
 
 
-def sample_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        sample.main(args)
-    out, err = capsys.readouterr()
-    return exit_info.value.code, out, err
-
-
 def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsys):
     ckpt = checkpoint.latest(run_dir)
-    code, out, err = sample_cli(["--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--device", "cpu",
+    code, out, err = run_main(sample.main, ["--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--device", "cpu",
                                  "--num-samples", "3"], capsys)
     assert code == 0, err
     samples = out.split("-" * 40 + "\n")
@@ -130,7 +123,7 @@ def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsy
 ])
 def test_sample_mistakes_are_one_line(run_dir, tmp_path, capsys, args, named):
     args = [a.replace("RUN", str(run_dir)).replace("EMPTY", str(tmp_path)) for a in args]
-    code, _, err = sample_cli(["--ckpt", str(run_dir), "--device", "cpu", *args], capsys)
+    code, _, err = run_main(sample.main, ["--ckpt", str(run_dir), "--device", "cpu", *args], capsys)
     assert code == 2 and err.startswith("fastpt: error: ") and err.count("\n") == 1, err
     assert named in err
 
@@ -165,10 +158,9 @@ def test_peak_flops_table_knows_gpus_and_admits_unknown_ones():
 
 
 def help_text(main, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
-    return capsys.readouterr().out
+    code, out, _ = run_main(main, ["--help"], capsys)
+    assert code == 0
+    return out
 
 
 def test_train_help_documents_every_config_field(capsys):
