@@ -123,7 +123,7 @@ class GPT(nn.Module):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
-        return logits, loss
+        return logits, loss, None  # the seed's `_, loss, _ = self.model(x, labels=y)`
 
     def configure_optimizers(self, weight_decay: float, lr: float, betas: tuple[float, float]):
         """nanoGPT's recipe: decay the >= 2-D tensors only; fused AdamW."""

@@ -173,6 +173,8 @@ class TrainConfig:
     eps: float = setting(1e-8, "AdamW epsilon", domain=POSITIVE)
     max_grad_norm: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping",
                                    domain=NON_NEGATIVE)
+    z_loss: float = setting(0.0, "z-loss coefficient (PaLM, OLMo: 1e-4): adds z_loss * logsumexp^2 to the loss, "
+                                 "logged apart as z_loss; 0 = off", domain=NON_NEGATIVE)
     # speed
     dtype: str = setting("bf16", "autocast precision (fp16 uses a GradScaler, CUDA only)",
                          choices=("bf16", "fp16", "fp32"))

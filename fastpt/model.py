@@ -103,13 +103,14 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The model of a ModelConfig; `kernels` (auto | triton | torch) picks how its RMSNorms and loss
-    run, a runtime choice that checkpoints do not record."""
+    """The model of a ModelConfig. Two training choices that checkpoints do not record: `kernels`
+    (auto | triton | torch) picks how its RMSNorms and loss run; `z_loss` adds PaLM's
+    z_loss * logsumexp^2 stabilizer to the loss."""
 
-    def __init__(self, cfg: ModelConfig, kernels: str = "auto"):
+    def __init__(self, cfg: ModelConfig, kernels: str = "auto", z_loss: float = 0.0):
         super().__init__()
         cfg.check()
-        self.cfg, self.kernel_backend = cfg, kernels
+        self.cfg, self.kernel_backend, self.z_loss = cfg, kernels, z_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, kernels) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
@@ -136,7 +137,8 @@ class Transformer(nn.Module):
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None):
-        """idx (B, T) -> (logits (B, T, V) or None, loss or None, kv_cache or None)."""
+        """idx (B, T) -> (logits (B, T, V), None, kv_cache or None); with labels (B, T), the loss
+        instead: (None, loss, its z-loss term (detached, for logging) or None when z_loss is 0)."""
         B, T = idx.shape
         past = kv_cache[0][0].shape[2] if kv_cache else 0
         if past + T > self.cfg.max_seq_len:
@@ -153,9 +155,10 @@ class Transformer(nn.Module):
         if labels is not None:
             # The fused kernel never materializes the (B*T, V) logits.
             loss = kernels.linear_cross_entropy(
-                h.flatten(0, 1), self.output_weight, labels.flatten(), backend=self.kernel_backend
+                h.flatten(0, 1), self.output_weight, labels.flatten(), z_loss=self.z_loss,
+                return_z_loss=self.z_loss > 0, backend=self.kernel_backend,
             )
-            return None, loss, None
+            return (None, *loss) if self.z_loss else (None, loss, None)
         logits = F.linear(h, self.output_weight)  # (B, T, V)
         return logits, None, new_cache if kv_cache is not None else None
 

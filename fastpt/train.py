@@ -35,7 +35,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # mean loss over the step's micro-batches (and ranks), on device
+    loss: torch.Tensor  # mean cross-entropy over the step's micro-batches (and ranks), on device
+    z_loss: torch.Tensor  # mean z-loss term, trained on but not in `loss` (0 without --z-loss)
     grad_norm: torch.Tensor  # global norm before clipping
     finite: torch.Tensor  # loss and norm both finite (bool, on device)
     applied: bool  # False only for an update skipped as non-finite
@@ -49,17 +50,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     clip the global norm and step. Nothing waits for the host, unless skip_nonfinite asks whether
     to apply the update."""
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = torch.zeros((), device=loader.device)
+    sums = torch.zeros(2, device=loader.device)  # loss, z-loss
     for micro_step in range(grad_accum):
         batch = loader.next()
         distributed.set_grad_sync(model, micro_step == grad_accum - 1)
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse their buffers; else a no-op
         with autocast:
-            loss = model(batch.x, labels=batch.y)[1]
+            _, loss, z_loss = model(batch.x, labels=batch.y)
         loss = loss / grad_accum
         scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    loss = distributed.all_reduce_mean(loss_sum, d)  # every rank takes the same branches
+        sums[0] += loss.detach()
+        if z_loss is not None:  # logged apart: the loss stays the cross-entropy, comparable across runs
+            sums += torch.stack((-z_loss, z_loss)) / grad_accum
+    loss, z_loss = distributed.all_reduce_mean(sums, d)  # every rank takes the same branches
     scaler.unscale_(optimizer)
     grad_norm = distributed.clip_grad_norm_(model.parameters(), max_grad_norm or math.inf)
     # fp16's GradScaler skips overflowing steps itself; an inf norm there is routine.
@@ -68,7 +71,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch
     if applied:
         scaler.step(optimizer)
     scaler.update()
-    return StepResult(loss, grad_norm, finite, applied)
+    return StepResult(loss, z_loss, grad_norm, finite, applied)
 
 
 @dataclass
@@ -81,10 +84,12 @@ class TrainState:
     skipped_steps: int = 0
     consecutive_skips: int = 0
     window_loss: float | torch.Tensor = 0.0  # sum of step losses since the last dashboard line
+    window_z_loss: float | torch.Tensor = 0.0  # ... and of their z-loss terms
     window_steps: int = 0  # updates applied since the last dashboard line
 
     def state_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "window_loss": float(self.window_loss)}
+        return {**dataclasses.asdict(self), "window_loss": float(self.window_loss),
+                "window_z_loss": float(self.window_z_loss)}
 
     def load_state_dict(self, state: dict) -> None:
         for f in dataclasses.fields(self):
@@ -158,7 +163,8 @@ def evaluate(model, windows: Windows, cfg: TrainConfig, device, autocast, d) -> 
     count = torch.zeros((), device=device)
     for batch in eval_batches(windows, cfg.micro_batch, cfg.eval_tokens, device, d.rank, d.world_size):
         with autocast:
-            _, loss, _ = model(batch.x, labels=batch.y)
+            _, loss, z_loss = model(batch.x, labels=batch.y)
+        loss = loss if z_loss is None else loss - z_loss  # the cross-entropy alone
         counted = (batch.y != -100).sum()
         total += torch.where(counted > 0, loss.float() * counted, 0.0)  # all padding: its mean is 0 / 0
         count += counted
@@ -209,7 +215,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model = Transformer(mcfg, cfg.kernels)
+    raw_model = Transformer(mcfg, cfg.kernels, cfg.z_loss)
     if init:
         raw_model.load_state_dict(init[1])
     raw_model.to(device)
@@ -244,7 +250,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     elif (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size:
         raise ConfigError(f"{run_dir} holds an earlier run's metrics.jsonl (and no checkpoint): "
                           "add --resume to start that run over, or choose another --out")
-    state.window_loss = torch.tensor(float(state.window_loss), device=device)
+    state.window_loss, state.window_z_loss = (torch.tensor(float(v), device=device)
+                                              for v in (state.window_loss, state.window_z_loss))
 
     def save_checkpoint() -> bool:
         model_state, optim_state = checkpoint.state_of(raw_model, optimizer)
@@ -302,6 +309,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             first_bad_step = torch.where(~result.finite & (first_bad_step < 0), state.step, first_bad_step)
             state.tokens_seen += tokens_per_step
             state.window_loss += result.loss
+            state.window_z_loss += result.z_loss
             state.window_steps += 1
         else:
             state.skipped_steps += 1
@@ -340,13 +348,17 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                 "peak_mem_gib": mem, "data_wait_pct": 100 * loader.wait_s / elapsed,
                 "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps,
             }
+            if cfg.z_loss:
+                record["z_loss"] = (state.window_z_loss / state.window_steps).item()
             log(f"Step {state.step:5d}/{cfg.max_steps} | Loss: {avg_loss:.4f} | PPL: {record['ppl']:.2f} | "
-                f"LR: {lr:.2e} | Norm: {record['grad_norm']:.3f} | Mem: {mem:.2f} GiB | "
+                + (f"Z: {record['z_loss']:.2e} | " if cfg.z_loss else "")
+                + f"LR: {lr:.2e} | Norm: {record['grad_norm']:.3f} | Mem: {mem:.2f} GiB | "
                 f"Speed: {tok_s:,.0f} tok/s" + (f" | MFU: {record['mfu']:.1%}" if peak else "")
                 + f" | ETA {fmt_duration(eta)}", flush=True)
             if metrics:
                 metrics.log(record)
             state.window_loss.zero_()
+            state.window_z_loss.zero_()
             state.window_steps = 0
             loader.wait_s = 0.0
 

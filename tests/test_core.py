@@ -287,3 +287,18 @@ def test_eager_and_compiled_losses_agree(tiny_data, tmp_path):
     assert "compile True" in compiled.stdout
     np.testing.assert_allclose([r["loss"] for r in read_metrics(tmp_path / "compiled")],
                                [r["loss"] for r in read_metrics(tmp_path / "eager")], rtol=1e-4)
+
+
+def test_z_loss_is_trained_on_and_logged_apart(tiny_data, tmp_path):
+    """--z-loss 0 is the plain loss; --z-loss c logs the cross-entropy as `loss` (step 1, before any
+    update, equals the plain run's) and c * logsumexp^2 as `z_loss` (near c * ln(V)^2 at init)."""
+    common = (*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "100")
+    runs = {z: run_train(*common, "--out", str(tmp_path / z), *(("--z-loss", z) if z != "off" else ()))
+            for z in ("off", "0", "0.01")}
+    assert all(r.returncode == 0 for r in runs.values()), [r.stderr for r in runs.values()]
+    plain, zero, z = (read_metrics(tmp_path / name) for name in ("off", "0", "0.01"))
+    assert [r["loss"] for r in zero] == [r["loss"] for r in plain] and "z_loss" not in zero[0]
+    assert z[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    assert 0.01 * math.log(257) ** 2 * 0.9 < z[0]["z_loss"] < 0.01 * math.log(257) ** 2 * 1.1
+    assert z[-1]["loss"] != plain[-1]["loss"]  # the z term changed the updates
+    assert "| Z: " in runs["0.01"].stdout
