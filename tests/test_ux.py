@@ -82,6 +82,16 @@ def test_kv_cache_generation_equals_full_recompute(run_dir):
     assert sample.generate(model, prompt, 30, temperature=1.0, top_k=1) == cached  # top-1 is greedy
 
 
+def test_a_checkpoint_of_an_older_release_samples(run_dir, tmp_path):
+    """Checkpoints written before the kernel choice left the architecture carry model_config['kernels']
+    (a GPU run's 'triton'); they still load, and sample on a CPU."""
+    ckpt = checkpoint.load(checkpoint.latest(run_dir))
+    ckpt["model_config"]["kernels"] = "triton"
+    torch.save(ckpt, tmp_path / "ckpt_00000005.pt")
+    model = sample.load_model(tmp_path / "ckpt_00000005.pt", torch.device("cpu"))[0]
+    assert sample.generate(model, [256], 3, temperature=0) == sample.generate(load_model(run_dir), [256], 3, temperature=0)
+
+
 def test_generation_continues_past_the_context_window():
     model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=50, max_seq_len=16)).eval()
     torch.manual_seed(0)
