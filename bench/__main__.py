@@ -1,4 +1,5 @@
-"""python -m bench [train-step options] | python -m bench kernels [kernel-table options]"""
+"""python -m bench [train-step options] | python -m bench kernels [kernel-table options]
+| python -m bench prepare [prepare options]"""
 import sys
 
 
@@ -7,6 +8,9 @@ def main() -> int:
     if argv[:1] == ["kernels"]:
         from bench.kernel_table import main as kernel_main
         return kernel_main(argv[1:])
+    if argv[:1] == ["prepare"]:
+        from bench.prepare_bench import main as prepare_main
+        return prepare_main(argv[1:])
     from bench.train_step import main as train_step_main
     return train_step_main(argv)
 

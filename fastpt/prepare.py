@@ -14,6 +14,7 @@ import fnmatch
 import itertools
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -22,6 +23,8 @@ import sysconfig
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -31,7 +34,7 @@ from tqdm import tqdm
 from fastpt.errors import ConfigError, DataError, run_command
 from fastpt.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
 from fastpt.sources import Source, documents, find_sources
-from fastpt.tokenizer import KINDS, build_tokenizer, load_tokenizer
+from fastpt.tokenizer import KINDS, build_tokenizer, tokenizer_from_json
 
 VAL_FRACTION = 0.005
 MAX_VAL_FRACTION = 0.1
@@ -128,10 +131,22 @@ _worker: dict = {}
 
 
 def _init_worker(tokenizer_json: str, pooled: bool) -> None:
-    if pooled:  # one process per core already: the tokenizer's own threads would oversubscribe
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tok = load_tokenizer(tokenizer_json)
+    """Load the tokenizer from its json text (not from the temporary folder, which an interrupted
+    prepare may have deleted before a worker starts)."""
+    if pooled:  # Ctrl-C is the parent's to handle (it stops us and cleans up); see submit()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+        threading.Thread(target=_exit_with_parent, daemon=True).start()
+    tok = tokenizer_from_json(tokenizer_json)
     _worker.update(tok=tok, dtype=token_dtype(tok.vocab_size))
+
+
+def _exit_with_parent() -> None:
+    """A worker whose parent is gone (killed, or interrupted before it registered this worker)
+    would otherwise wait for tasks forever."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
 
 
 def encode(pieces: list[tuple[str, bool]]) -> tuple[np.ndarray, int, int]:
@@ -158,49 +173,58 @@ def batches(pieces: Iterable[tuple[str, bool]]) -> Iterator[list[tuple[str, bool
         yield batch
 
 
-@contextlib.contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """Workers are started ignoring Ctrl-C (they inherit it): only this process handles it, cleans
-    up and stops them, instead of every worker printing a traceback."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+def submit(pool: ProcessPoolExecutor, item) -> Future:
+    """pool.submit(encode, item), which may spawn a worker, with Ctrl-C held until it returns: a
+    worker cut off mid-spawn prints a traceback or waits for tasks forever. The worker inherits
+    the blocked SIGINT, so a Ctrl-C during its start-up waits for its initializer, which ignores
+    it. The held Ctrl-C is raised here, never lost."""
+    held: list[int] = []
+    main = threading.current_thread() is threading.main_thread()  # signal handlers live there
+    previous = signal.signal(signal.SIGINT, lambda *_: held.append(1)) if main else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        return pool.submit(encode, item)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if main:
+            signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(signal.SIGINT, None)
 
 
-def encode_all(items: Iterable, tokenizer_json: Path, workers: int) -> Iterator[tuple[np.ndarray, int, int]]:
-    """encode() over items, in order: in this process for one worker, else in a spawned pool with
-    at most two batches per worker in flight, so memory stays bounded whatever the corpus."""
+def encode_all(items: Iterable, tokenizer_json: str, workers: int) -> Iterator[tuple[np.ndarray, int, int]]:
+    """encode() over items, in order: in this process for one worker, else in spawned processes
+    with at most two batches per worker in flight, so memory stays bounded whatever the corpus."""
     if workers == 1:
-        _init_worker(str(tokenizer_json), pooled=False)
+        _init_worker(tokenizer_json, pooled=False)
         yield from map(encode, items)
         return
-    with sigint_ignored():
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (str(tokenizer_json), True))
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_init_worker,
+                               initargs=(tokenizer_json, True))
     try:
         pending: deque = deque()
         for item in items:
-            pending.append(pool.apply_async(encode, (item,)))
+            pending.append(submit(pool, item))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise ConfigError(f"a tokenizer process died (killed for lack of memory?): "
+                          f"try --workers below {workers}") from None
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: int, workers: int,
              shard_tokens: int) -> tuple[list[Path], int, int]:
-    """Every document into train shards, written as they fill; returns (shards, documents, text bytes)."""
+    """Every document into train shards, written as they fill, by the tokenizer saved in `folder`;
+    returns (shards, documents, text bytes)."""
+    tokenizer_json = (folder / "tokenizer.json").read_text(encoding="utf-8")
     writer = ShardWriter(folder, "train", vocab_size, shard_tokens)
     docs = nbytes = 0
     with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024) as bar:
-        for tokens, n, d in encode_all(batches(documents(sources, text_field)), folder / "tokenizer.json", workers):
+        for tokens, n, d in encode_all(batches(documents(sources, text_field)), tokenizer_json, workers):
             writer.write(tokens)
             docs, nbytes = docs + d, nbytes + n
             bar.update(n)
@@ -265,6 +289,7 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
         tok.save(tmp / "tokenizer.json")
         if tok.eot_id is None:
             print("note: the tokenizer has no end-of-text or BOS token: documents are joined without one", flush=True)
+        tokenizer_s = round(time.perf_counter() - start, 3)
         shards, docs, nbytes = tokenize(sources, text_field, tmp, tok.vocab_size, workers, shard_tokens)
         train, val = hold_out_val(shards, count_tokens(shards), val_fraction, tmp, tok.vocab_size, shard_tokens)
         meta = {
@@ -272,7 +297,8 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
             "tokens": {"train": count_tokens(train), "val": count_tokens(val)},
             "shards": {"train": len(train), "val": len(val)},
             "documents": docs, "text_bytes": nbytes, "sources": len(sources), "text_field": text_field,
-            "val_fraction": val_fraction, "seconds": round(time.perf_counter() - start, 1),
+            "val_fraction": val_fraction, "workers": workers,
+            "seconds": {"tokenizer": tokenizer_s, "tokenize": round(time.perf_counter() - start - tokenizer_s, 3)},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
@@ -325,10 +351,10 @@ def main(argv: list[str] | None = None) -> None:
                    text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
                    shard_tokens=args.shard_tokens, tokenizer_sample_mb=args.tokenizer_sample,
                    overwrite=args.overwrite)
-    mb_s = meta["text_bytes"] / 2**20 / max(meta["seconds"], 1e-9)
+    seconds = max(meta["seconds"]["tokenize"], 1e-3)
     print(f"wrote {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
-          f"(vocab {meta['vocab_size']}, {meta['documents']:,} documents) to {args.out} "
-          f"in {meta['seconds']:.1f} s ({mb_s:.1f} MB/s)")
+          f"(vocab {meta['vocab_size']}, {meta['documents']:,} documents) to {args.out}; tokenized "
+          f"{meta['text_bytes'] / 2**20:,.1f} MB in {seconds:.1f} s ({meta['text_bytes'] / 2**20 / seconds:.1f} MB/s)")
 
 
 if __name__ == "__main__":

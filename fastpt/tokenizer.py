@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fastpt.errors import DataError, require
+from fastpt.errors import DataError, FastptError, require
 
 EOT = "<|endoftext|>"
 # The token put before every document: the tokenizer's BOS when it has one (what Llama-style models
@@ -163,11 +163,19 @@ def load_tokenizer(path: str | Path):
         path = path / "tokenizer.json"
     try:
         text = path.read_text(encoding="utf-8")
-        config = json.loads(text)
     except FileNotFoundError:
         raise DataError(f"{path}: no such tokenizer file (was the data made by fastpt.prepare?)") from None
-    except (OSError, UnicodeError, ValueError) as e:
+    except (OSError, UnicodeError) as e:
         raise DataError(f"{path}: not a readable tokenizer.json ({e})") from None
+    return tokenizer_from_json(text, str(path))
+
+
+def tokenizer_from_json(text: str, where: str = "tokenizer.json"):
+    """The tokenizer a tokenizer.json's text describes; `where` names it in errors."""
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{where}: not a readable tokenizer.json ({e})") from None
     kind = config.get("type") if isinstance(config, dict) else None
     try:
         if kind == "bytes":
@@ -179,12 +187,12 @@ def load_tokenizer(path: str | Path):
         from tokenizers import Tokenizer
 
         return HFTokenizer(Tokenizer.from_str(text))
+    except FastptError:
+        raise
     except (KeyError, TypeError) as e:
-        raise DataError(f"{path}: a {kind} tokenizer.json without a valid {e}") from None
+        raise DataError(f"{where}: a {kind} tokenizer.json without a valid {e}") from None
     except Exception as e:  # tokenizers' own parse error: not a Hugging Face tokenizer.json either
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"{path}: not a tokenizer.json that fastpt or Hugging Face tokenizers can read ({e})") from None
+        raise DataError(f"{where}: not a tokenizer.json that fastpt or Hugging Face tokenizers can read ({e})") from None
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -225,7 +225,7 @@ def start_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int) -> sub
     """fastpt.prepare in a real process, returned once it is writing shards into its temporary folder."""
     proc = subprocess.Popen([sys.executable, "-m", "fastpt.prepare", str(corpus), "--tokenizer", str(tokenizer),
                              "--out", str(out), "--workers", str(workers)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     tmp = out.with_name(f".{out.name}.prepare-tmp")
     deadline = time.monotonic() + 60
     while not (tmp / "train_000000.bin").exists():
@@ -236,7 +236,7 @@ def start_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int) -> sub
 
 def test_ctrl_c_exits_130_with_one_line_and_leaves_no_temporary_folder(tmp_path, slow_corpus):
     proc = start_prepare(*slow_corpus, tmp_path / "data", workers=2)
-    os.kill(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the workers too
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert_one_line_error(err, "interrupted")
