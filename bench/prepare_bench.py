@@ -17,7 +17,6 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 

@@ -278,7 +278,7 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
             overwrite: bool = False) -> dict:
     """Tokenize `inputs` (files, folders, globs; plus a Hub dataset) into train/val shards in `out`,
     with tokenizer.json and meta.json; written under a temporary name, renamed when complete."""
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # `--out .` or `x/..` have a name to put the temporary folder beside
     check_options(tokenizer, vocab_size, val_fraction, workers, shard_tokens, tokenizer_sample_mb)
     check_out(out, overwrite)
     sources = find_sources(inputs, hf_dataset)

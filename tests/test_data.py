@@ -7,7 +7,6 @@ import gzip
 import json
 import os
 import pickle
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import REPO, TINY, run_train
 from fastpt import prepare, train
@@ -55,10 +55,8 @@ def assert_one_line_error(err: str, *named: str) -> None:
     assert all(n in lines[0] for n in named), lines[0]
 
 
-def train_tokenizer(texts: list[str], vocab_size: int = 400) -> "Tokenizer":  # noqa: F821
+def train_tokenizer(texts: list[str], vocab_size: int = 400) -> Tokenizer:
     """A GPT-2-style byte-level BPE made by `tokenizers` itself, standing in for a downloaded one."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
