@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import REPO, TINY, run_train
+from conftest import REPO, TINY, run_main, run_train
 from fastpt import prepare, train
 from fastpt.data import data_vocab, find_shards, read_shard, write_shard
-from fastpt.errors import run_command
 from fastpt.sources import parse_hub_spec
 from fastpt.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
 
@@ -40,13 +39,6 @@ def split_docs(tokens: np.ndarray, eot: int) -> list[np.ndarray]:
     """Documents of a token stream where each one starts with the end-of-text token."""
     assert tokens[0] == eot
     return [d[1:] for d in np.split(tokens, np.flatnonzero(tokens == eot))[1:]]
-
-
-def cli(capsys, main, argv: list[str]) -> tuple[int, str]:
-    """A command's main as the shell runs it: exit code and stderr."""
-    with pytest.raises(SystemExit) as stop:
-        run_command(lambda: main(argv))
-    return stop.value.code, capsys.readouterr().err
 
 
 def assert_one_line_error(err: str, *named: str) -> None:
@@ -196,15 +188,15 @@ def test_out_is_never_a_users_folder_and_replacing_a_dataset_needs_overwrite(tmp
     notes.mkdir()
     (notes / "todo.txt").write_text("my notes")
     argv = [str(tmp_path / "input.txt"), "--tokenizer", "bytes", "--workers", "1", "--out"]
-    code, err = cli(capsys, prepare.main, argv + [str(notes)])
+    code, _, err = run_main(prepare.main, argv + [str(notes)], capsys)
     assert code == 2 and (notes / "todo.txt").read_text() == "my notes" and os.listdir(notes) == ["todo.txt"]
     assert_one_line_error(err, str(notes), "nothing deleted")
 
-    assert cli(capsys, prepare.main, argv + [str(tmp_path / "data")])[0] == 0
-    code, err = cli(capsys, prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char"])
+    assert run_main(prepare.main, argv + [str(tmp_path / "data")], capsys)[0] == 0
+    code, _, err = run_main(prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char"], capsys)
     assert code == 2 and load_tokenizer(tmp_path / "data").vocab_size == 257
     assert_one_line_error(err, str(tmp_path / "data"), "--overwrite")
-    assert cli(capsys, prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char", "--overwrite"])[0] == 0
+    assert run_main(prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char", "--overwrite"], capsys)[0] == 0
     assert isinstance(load_tokenizer(tmp_path / "data"), CharTokenizer)
     assert sorted(os.listdir(tmp_path)) == ["data", "input.txt", "notes"]  # no temporary folder left
 
@@ -245,14 +237,15 @@ def test_a_second_prepare_on_the_same_out_is_refused_and_a_killed_one_leaves_no_
     out = tmp_path / "data"
     first = start_prepare(*slow_corpus, out, workers=1)
     try:
-        code, err = cli(capsys, prepare.main, [str(slow_corpus[0]), "--out", str(out), "--tokenizer", "bytes"])
+        code, _, err = run_main(prepare.main, [str(slow_corpus[0]), "--out", str(out), "--tokenizer", "bytes"], capsys)
         assert code == 2
         assert_one_line_error(err, str(out), "another fastpt.prepare")
     finally:
         first.kill()
         first.communicate()
     (tmp_path / "small.txt").write_text(DOCS[-1])
-    code, _ = cli(capsys, prepare.main, [str(tmp_path / "small.txt"), "--out", str(out), "--tokenizer", "bytes"])
+    code, _, _ = run_main(prepare.main, [str(tmp_path / "small.txt"), "--out", str(out), "--tokenizer", "bytes"],
+                          capsys)
     assert code == 0 and sorted(os.listdir(tmp_path)) == ["data", "small.txt"]  # the killed one's leftovers gone
     assert find_shards(out, "val")
 
@@ -297,7 +290,7 @@ def test_prepare_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys):
     setup, argv, named = PREPARE_MISTAKES[case]
     setup(tmp_path / "f")
     argv = [a.replace("FILE", str(tmp_path / "f")) for a in argv]
-    code, err = cli(capsys, prepare.main, argv + (["--out", str(tmp_path / "out")] if "--out" not in argv else []))
+    code, _, err = run_main(prepare.main, argv + ([] if "--out" in argv else ["--out", str(tmp_path / "out")]), capsys)
     assert code == 2
     assert_one_line_error(err, named.replace("FILE", str(tmp_path / "f")))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.prepare-tmp").exists()
@@ -353,7 +346,7 @@ def test_train_data_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys
     edit, data, extra, named = TRAIN_MISTAKES[case]
     folder = make_shards(tmp_path / "data")
     edit(folder)
-    code, err = cli(capsys, train.main, [*TINY, "--data", data.format(d=folder), "--out", str(tmp_path / "run"),
-                                         "--max-steps", "1", *extra])
+    code, _, err = run_main(train.main, [*TINY, "--data", data.format(d=folder), "--out", str(tmp_path / "run"),
+                                         "--max-steps", "1", *extra], capsys)
     assert code == 2
     assert_one_line_error(err, named.format(d=folder))
