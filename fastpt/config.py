@@ -134,6 +134,10 @@ def shape(help: str) -> Any:
     return setting(None, help + "; default: the preset's")
 
 
+COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")  # torch.compile's
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the ones that add CUDA graphs
+
+
 @dataclass
 class TrainConfig:
     # model and data
@@ -179,9 +183,18 @@ class TrainConfig:
     dtype: str = setting("bf16", "autocast precision (fp16 uses a GradScaler, CUDA only)",
                          choices=("bf16", "fp16", "fp32"))
     compile: bool = setting(False, "torch.compile the model")
+    compile_mode: str = setting("default", "torch.compile mode with --compile; reduce-overhead and max-autotune "
+                                           "add CUDA graphs", choices=COMPILE_MODES)
+    activation_checkpointing: str = setting("none", "recompute block activations in the backward to save memory: "
+                                                    "full = every block, selective = every other block",
+                                            choices=("none", "full", "selective"))
+    float8: bool = setting(False, "float8 matmuls in the blocks' linear layers via torchao (CUDA, compute "
+                                  "capability >= 8.9)")
     kernels: str = setting("auto", "auto: Triton on CUDA, PyTorch elsewhere", choices=("auto", "triton", "torch"))
     device: str = setting("", "'' = cuda if available, else cpu", choices=("", "cpu", "cuda"))
     parallel: str = setting("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
+    profile: str = setting("", "record torch.profiler traces of steps START:END (e.g. 3:5) into OUT/profile; "
+                               "'' = off")
     # bookkeeping
     log_every: int = setting(10, "steps between dashboard lines / metrics records", domain=POSITIVE)
     eval_every: int = setting(500, "steps between validation evals", domain=POSITIVE)
@@ -252,7 +265,29 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"'{name}' must be {domain}{finite}, got {value!r}")
     if cfg.warmup_steps > cfg.max_steps:
         raise ConfigError(f"'warmup_steps' ({cfg.warmup_steps}) is larger than 'max_steps' ({cfg.max_steps})")
+    if cfg.compile_mode != "default" and not cfg.compile:
+        raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} needs --compile")
+    if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.grad_accum > 1:
+        # CUDA-graph trees hand the backward's output buffers to .grad and overwrite them on the
+        # next micro-step's replay (pytorch/pytorch#169545): accumulated gradients would be wrong.
+        raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
+                          f"got {cfg.grad_accum}: raise micro_batch instead")
+    profile_steps(cfg)
     return cfg
+
+
+def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The steps START:END (1-based, both included) that --profile records; None when off."""
+    if not cfg.profile:
+        return None
+    start, sep, end = cfg.profile.partition(":")
+    if not (sep and start.strip().isdecimal() and end.strip().isdecimal()):
+        raise ConfigError(f"'profile' = {cfg.profile!r} is not START:END (steps, e.g. 3:5)")
+    start, end = int(start), int(end)
+    if not 1 <= start <= end <= cfg.max_steps:
+        raise ConfigError(f"'profile' = {cfg.profile!r} must satisfy 1 <= START <= END <= max_steps "
+                          f"({cfg.max_steps})")
+    return start, end
 
 
 def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainConfig:

@@ -1,5 +1,6 @@
-"""torchrun integration: the process group from the environment, DDP or FSDP2 over the model,
-and the cross-rank reductions the loop needs. (Checkpoints of either layout: checkpoint.py.)"""
+"""torchrun integration: the process group from the environment, the model compiled and put under
+DDP or FSDP2, and the cross-rank reductions the loop needs. (Checkpoints of either layout:
+checkpoint.py.)"""
 from __future__ import annotations
 
 import os
@@ -8,10 +9,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fastpt.config import CUDA_GRAPH_MODES
 from fastpt.errors import ConfigError
 
 
@@ -46,18 +49,29 @@ def teardown(d: Dist) -> None:
         dist.destroy_process_group()
 
 
-def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype, compile: bool) -> nn.Module:
-    """Compile the model in place, then wrap it in DDP or shard it with FSDP2; returns what to call.
+def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype,
+                compile_mode: str | None = None) -> nn.Module:
+    """Compile the model in place (compile_mode None: eager), then wrap it in DDP or shard it with
+    FSDP2; returns what to call.
 
-    Compiling the inner module before DDP is PyTorch's advice: DDP's graph splitting (DDPOptimizer)
-    then overlaps the gradient all-reduce with the backward. fully_shard works in place, so under
-    FSDP the model itself is returned.
+    One process and DDP compile the whole model before wrapping, PyTorch's advice: DDP's graph
+    splitting (DDPOptimizer) then overlaps the gradient all-reduce with the backward. FSDP compiles
+    each TransformerBlock and then shards it, as torchtitan does: FSDP's all-gather and
+    reduce-scatter hooks run between the block graphs, not inside one graph of the whole model
+    (the root's embedding, final norm and loss stay eager). Shapes are static in training, so
+    dynamic=False: eval's smaller last batch gets a graph of its own rather than a dynamic one.
+    fully_shard works in place, so under FSDP the model itself is returned.
     """
+    sharded = d.enabled and parallel == "fsdp"
     if parallel == "fsdp" and dtype == torch.float16:
         raise ConfigError("'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
                           "would check only this rank's gradient shards for overflow")
-    if compile:
-        model.compile()
+    if sharded and compile_mode in CUDA_GRAPH_MODES:
+        raise ConfigError(f"'compile_mode' = {compile_mode!r} uses CUDA graphs, which FSDP's per-step "
+                          "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'")
+    if compile_mode:
+        for module in model.layers if sharded else [model]:
+            module.compile(mode=compile_mode, dynamic=False)
     if not d.enabled:
         return model
     if parallel == "fsdp":
@@ -73,9 +87,11 @@ def shard(model: nn.Module, dtype: torch.dtype) -> None:
     tied head, final norm). bf16 runs compute in bf16 and reduce gradients in fp32."""
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if dtype == torch.bfloat16 else MixedPrecisionPolicy())
+    # The mesh on the model's device: FSDP's default is the accelerator, even for a gloo run on CPU.
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for block in model.layers:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:

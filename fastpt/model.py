@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import kernels
 from fastpt.config import ModelConfig
@@ -88,31 +89,53 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: str):
+    def __init__(self, cfg: ModelConfig, kernels: str, checkpointed: bool = False):
         super().__init__()
+        self.checkpointed = checkpointed  # recompute the activations in the backward instead of keeping them
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x, cos, sin, cache=None):
+        if self.checkpointed and self.training and cache is None:
+            # Inside the block, so a compiled block (and FSDP's unit, the block) sees it; non-reentrant
+            # as PyTorch advises. Nothing in a block is random: no RNG state to save and restore.
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False, preserve_rng_state=False)
+        return self._forward(x, cos, sin, cache)
+
+    def _forward(self, x, cos, sin, cache=None):
         a, new_cache = self.attention(self.attention_norm(x), cos, sin, cache)
         x = x + a
         x = x + self.feed_forward(self.ffn_norm(x))
         return x, new_cache
 
 
-class Transformer(nn.Module):
-    """The model of a ModelConfig. Two training choices that checkpoints do not record: `kernels`
-    (auto | triton | torch) picks how its RMSNorms and loss run; `z_loss` adds PaLM's
-    z_loss * logsumexp^2 stabilizer to the loss."""
+# Activation checkpointing: which blocks recompute their activations in the backward.
+CHECKPOINTED_BLOCKS = {
+    "none": lambda i: False,
+    "full": lambda i: True,
+    "selective": lambda i: i % 2 == 0,  # every other block, the first included: ~half the saving, ~half the cost
+}
 
-    def __init__(self, cfg: ModelConfig, kernels: str = "auto", z_loss: float = 0.0):
+
+class Transformer(nn.Module):
+    """The model of a ModelConfig. Three training choices that checkpoints do not record: `kernels`
+    (auto | triton | torch) picks how its RMSNorms and loss run; `z_loss` adds PaLM's
+    z_loss * logsumexp^2 stabilizer to the loss; `activation_checkpointing` (none | full |
+    selective, see CHECKPOINTED_BLOCKS) trades a recomputed forward for activation memory."""
+
+    def __init__(self, cfg: ModelConfig, kernels: str = "auto", z_loss: float = 0.0,
+                 activation_checkpointing: str = "none"):
         super().__init__()
         cfg.check()
+        if activation_checkpointing not in CHECKPOINTED_BLOCKS:
+            raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTED_BLOCKS)}, "
+                             f"got {activation_checkpointing!r}")
         self.cfg, self.kernel_backend, self.z_loss = cfg, kernels, z_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, kernels) for _ in range(cfg.n_layers))
+        checkpointed = CHECKPOINTED_BLOCKS[activation_checkpointing]
+        self.layers = nn.ModuleList(TransformerBlock(cfg, kernels, checkpointed(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)

@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 
 import kernels
-from fastpt import checkpoint, distributed
-from fastpt.config import ModelConfig, TrainConfig, model_config, parse_args, resolve, to_toml
+from fastpt import checkpoint, distributed, float8
+from fastpt.config import (CUDA_GRAPH_MODES, ModelConfig, TrainConfig, model_config, parse_args, profile_steps,
+                           resolve, to_toml)
 from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
 from fastpt.errors import CheckpointError, ConfigError, run_command
 from fastpt.files import lock
@@ -29,6 +30,7 @@ from fastpt.hf import load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at
+from fastpt.profiling import StepProbe
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -125,6 +127,8 @@ def check_runtime(cfg: TrainConfig, device: torch.device) -> None:
     if cfg.kernels == "triton" and not kernels.available():
         raise ConfigError("'kernels' = 'triton' cannot run here: it needs Triton and a CUDA device "
                           "(or TRITON_INTERPRET=1 on a CPU, slowly); use 'auto'")
+    if cfg.float8:
+        float8.check(device)
 
 
 def rng_state() -> dict:
@@ -150,6 +154,13 @@ def model_mismatch(saved: dict, mcfg: ModelConfig) -> str:
     return ", ".join(f"{k} {v} != {getattr(mcfg, k)}" for k, v in saved.items() if getattr(mcfg, k) != v)
 
 
+def speed_choices(cfg: TrainConfig) -> str:
+    """What the summary line adds after 'compile True': the compile mode, AC, float8."""
+    return ((f" ({cfg.compile_mode})" if cfg.compile and cfg.compile_mode != "default" else "")
+            + (f" | AC {cfg.activation_checkpointing}" if cfg.activation_checkpointing != "none" else "")
+            + (" | float8" if cfg.float8 else ""))
+
+
 def fmt_duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
@@ -162,6 +173,7 @@ def evaluate(model, windows: Windows, cfg: TrainConfig, device, autocast, d) -> 
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     for batch in eval_batches(windows, cfg.micro_batch, cfg.eval_tokens, device, d.rank, d.world_size):
+        torch.compiler.cudagraph_mark_step_begin()  # each forward a CUDA-graph step of its own; else a no-op
         with autocast:
             _, loss, z_loss = model(batch.x, labels=batch.y)
         loss = loss if z_loss is None else loss - z_loss  # the cross-entropy alone
@@ -215,11 +227,14 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw_model = Transformer(mcfg, cfg.kernels, cfg.z_loss)
+    raw_model = Transformer(mcfg, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing)
     if init:
         raw_model.load_state_dict(init[1])
     raw_model.to(device)
-    model = distributed.parallelize(raw_model, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile)
+    if cfg.float8:  # before compiling and sharding, torchtitan's order
+        float8.convert(raw_model)
+    model = distributed.parallelize(raw_model, d, cfg.parallel, DTYPES[cfg.dtype],
+                                    cfg.compile_mode if cfg.compile else None)
     optimizer = build_optimizer(raw_model, cfg.weight_decay, cfg.decay_rule, cfg.lr,
                                 (cfg.beta1, cfg.beta2), cfg.eps)
     autocast = torch.autocast(device.type, dtype=DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
@@ -284,7 +299,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         metrics = MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb)
     log(f"device {device_name(device)} x {d.world_size} | "
         + (f"init from {cfg.init_from}" if init else f"preset {cfg.preset}") + f" | params {raw_model.num_params():,} "
-        f"| dtype {cfg.dtype} | compile {cfg.compile} | kernels {cfg.kernels} | MFU "
+        f"| dtype {cfg.dtype} | compile {cfg.compile}{speed_choices(cfg)} | kernels {cfg.kernels} | MFU "
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"))
     log(f"data {data_dir}: {len(train_shards)} train shards ({sum(map(len, train_windows.tokens)):,} tokens), "
         f"{len(val_shards)} val ({sum(map(len, val_windows.tokens)):,} tokens) "
@@ -296,13 +311,16 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     model.train()
     first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
     pace = Pace()
+    probe = StepProbe(profile_steps(cfg), run_dir / "profile", device, d.rank,
+                      cuda_graphs=cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES)
     exit_code = 0
     while state.step < cfg.max_steps:
         lr = lr_at(state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        result = train_step(model, optimizer, scaler, loader, cfg.grad_accum, autocast, cfg.max_grad_norm, d,
-                            skip_nonfinite=cfg.on_nonfinite == "skip")
+        with probe.step(state.step + 1):  # --profile, recompiles
+            result = train_step(model, optimizer, scaler, loader, cfg.grad_accum, autocast, cfg.max_grad_norm, d,
+                                skip_nonfinite=cfg.on_nonfinite == "skip")
         state.step += 1  # from here on, the number of this step as the log and the metrics count it
         if result.applied:
             state.consecutive_skips = 0
@@ -346,7 +364,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                 "grad_norm": float(result.grad_norm), "tok_s": tok_s, "tok_s_per_gpu": tok_s / d.world_size,
                 "mfu": flops_per_step * state.window_steps / elapsed / d.world_size / peak if peak else None,
                 "peak_mem_gib": mem, "data_wait_pct": 100 * loader.wait_s / elapsed,
-                "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps,
+                "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps, "recompiles": probe.recompiles(),
             }
             if cfg.z_loss:
                 record["z_loss"] = (state.window_z_loss / state.window_steps).item()
@@ -354,6 +372,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                 + (f"Z: {record['z_loss']:.2e} | " if cfg.z_loss else "")
                 + f"LR: {lr:.2e} | Norm: {record['grad_norm']:.3f} | Mem: {mem:.2f} GiB | "
                 f"Speed: {tok_s:,.0f} tok/s" + (f" | MFU: {record['mfu']:.1%}" if peak else "")
+                + (f" | Recompiles: {record['recompiles']}" if cfg.compile else "")
                 + f" | ETA {fmt_duration(eta)}", flush=True)
             if metrics:
                 metrics.log(record)
@@ -376,6 +395,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             log(f"preempted: stopped after step {state.step}; continue with --resume")
             break
     loader.close()
+    probe.close()
     if metrics:
         metrics.close()
     return exit_code

@@ -67,6 +67,17 @@ def test_two_processes_follow_one_process(runs, layout):
     assert_same_curve(runs[layout], runs["one"])
 
 
+@pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full")])
+def test_compiled_with_activation_checkpointing_follows_one_process(runs, tiny_data, tmp_path, layout, checkpointing):
+    """FSDP compiles each block before sharding it, DDP the whole model before wrapping it; with
+    activation checkpointing inside the blocks both still train as the eager one-process run."""
+    out = train(tiny_data, tmp_path / layout, 2, "--parallel", layout, "--compile",
+                "--activation-checkpointing", checkpointing)
+    assert_same_curve(out, runs["one"])
+    assert {r["recompiles"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r} == {0}
+
+
 def test_checkpoint_kinds(runs):
     assert (runs["ddp"] / "ckpt_00000006.pt").is_file()  # one copy, from rank 0
     assert (runs["fsdp"] / "ckpt_00000006").is_dir()  # DCP shards from every rank
