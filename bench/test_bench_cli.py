@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from bench.common import REPO
-from bench.train_step import losses_agree, parse_mode
+from bench.train_step import Setup, losses_agree, parse_mode, run_mode, unavailable
 
 ROW_FIELDS = {"mode", "tok_s", "step_ms", "peak_mem_gib", "mfu", "loss", "compile_s", "device", "device_name",
               "torch", "triton", "commit", "preset", "micro_batch", "seq_len", "grad_accum", "dtype", "data"}
@@ -46,8 +47,12 @@ def test_kernel_cli_rows(tmp_path):
 
 def test_modes_parse():
     assert parse_mode("compiled+kernels+cudagraphs").compile_mode == "reduce-overhead"
+    assert parse_mode("compiled+autotune+cudagraphs").compile_mode == "max-autotune"
     assert parse_mode("baseline").impl == "baseline" and parse_mode("baseline").compile
-    for bad in ("fast", "eager+autotune", "baseline+kernels", "compiled+autotune+cudagraphs", "eager+kernels+kernels"):
+    levers = parse_mode("eager+ac-selective+float8")
+    assert levers.activation_checkpointing == "selective" and levers.float8 and not levers.compile
+    for bad in ("fast", "eager+autotune", "baseline+kernels", "baseline+ac", "compiled+ac+ac-selective",
+                "eager+kernels+kernels"):
         with pytest.raises(ValueError):
             parse_mode(bad)
 
@@ -56,3 +61,22 @@ def test_losses_agree_flags_disagreement_and_errors():
     rows = [{"mode": "eager", "loss": 4.0}, {"mode": "compiled", "loss": 4.0002}]
     assert losses_agree(rows, 1e-4) and not losses_agree(rows, 1e-5)
     assert not losses_agree(rows + [{"mode": "baseline", "error": "boom"}], 1e-3)
+    assert losses_agree(rows + [{"mode": "compiled+float8", "skipped": "needs CUDA"}], 1e-3)
+
+
+def test_lever_rows_on_cpu(tmp_path):
+    """Activation checkpointing measured; the CUDA-only levers skipped with the reason in their row
+    (CUDA graphs also at grad-accum > 1, as the trainer refuses them); a spent --time-budget skips."""
+    out = tmp_path / "rows.json"
+    proc = run_bench("--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1", "--threads", "1",
+                     "--modes", "eager+ac,compiled+cudagraphs,eager+float8", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["eager+ac"]["tok_s"] > 0 and rows["eager+ac"]["peak_mem_gib"] >= 0
+    assert rows["compiled+cudagraphs"]["skipped"] == "CUDA graphs need a CUDA device"
+    assert "'float8' needs a CUDA GPU" in rows["eager+float8"]["skipped"]
+    assert "| compiled+cudagraphs | skipped: CUDA graphs need a CUDA device |" in proc.stdout
+    on_gpu = Setup("tiny", "cuda", 8, 2, 256, "bf16", "")
+    assert "need --grad-accum 1" in unavailable(parse_mode("compiled+cudagraphs"), on_gpu)
+    spent = run_mode(on_gpu, parse_mode("eager"), 1, 1, None, deadline=time.monotonic() + 5)
+    assert spent["mode"] == "eager" and spent["skipped"].startswith("out of time (")

@@ -1,11 +1,16 @@
 """Train-step benchmark: tok/s, step time, peak memory, MFU, compile time and final loss per mode.
 
 A mode is `eager`, `compiled` or `baseline`, optionally followed by "+"-joined options:
-  kernels     fastpt's Triton kernels (on a CPU they dispatch to the reference: same as without)
-  autotune    torch.compile(mode="max-autotune-no-cudagraphs")
-  cudagraphs  torch.compile(mode="reduce-overhead"), i.e. CUDA graphs
-`eager` / `compiled` run fastpt's model with the pure-PyTorch ops unless +kernels is given;
-`baseline` is bench/baseline.py (plain PyTorch, the peer) under torch.compile.
+  kernels       fastpt's Triton kernels (on a CPU they dispatch to the reference: same as without)
+  autotune      torch.compile(mode="max-autotune-no-cudagraphs")
+  cudagraphs    torch.compile(mode="reduce-overhead"), i.e. CUDA graphs (CUDA only, else skipped);
+                with autotune: mode="max-autotune"
+  ac            activation checkpointing of every block (--activation-checkpointing full)
+  ac-selective  ... of every other block (selective)
+  float8        torchao float8 linears (--float8; CUDA with compute capability >= 8.9, else skipped)
+`eager` / `compiled` run fastpt's model with the pure-PyTorch ops unless +kernels is given, compiled
+as fastpt.train compiles it; `baseline` is bench/baseline.py (plain PyTorch, the peer) under
+torch.compile. E.g. `compiled+kernels+ac`, `compiled+kernels+autotune+cudagraphs`.
 
 Every mode runs in its own process (clean allocator, compile caches in memory and peak RSS)
 on the same initial weights and the same batches, so in fp32 the final losses must agree.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -28,19 +34,29 @@ import torch
 
 from bench import baseline
 from bench.common import REPO, env_info, fmt, markdown_table, matmul_tflops, rss_gib, sync, write_json
-from fastpt.config import PRESETS, TrainConfig, model_config
+from fastpt import float8
+from fastpt.config import CUDA_GRAPH_MODES, PRESETS, TrainConfig, model_config
 from fastpt.data import TrainLoader, Windows, data_vocab, find_shards, write_shard
+from fastpt.distributed import Dist, parallelize
+from fastpt.errors import FastptError
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer
+from fastpt.profiling import compiled_graphs
 from fastpt.train import DTYPES, train_step
 
-COMPILE_OPTIONS = {"autotune": "max-autotune-no-cudagraphs", "cudagraphs": "reduce-overhead"}
-# micro-batch, grad-accum per preset: 0.04b is the issue's target setting (32 x 1024, accum 2)
-BATCH = {"0.04b": (32, 2), "tiny": (8, 1)}
+# (autotune, cudagraphs) -> torch.compile mode
+COMPILE_MODES = {(False, False): "default", (True, False): "max-autotune-no-cudagraphs",
+                 (False, True): "reduce-overhead", (True, True): "max-autotune"}
+AC_OPTIONS = {"ac": "full", "ac-selective": "selective"}
+OPTIONS = {"kernels", "autotune", "cudagraphs", "float8", *AC_OPTIONS}
+# micro-batch, grad-accum per preset: 0.04b is the issue's target setting (32 x 1024, accum 2);
+# 0.35b and 1b at their trainer micro-batch, one micro-step (memory and speed of the levers there)
+BATCH = {"0.04b": (32, 2), "tiny": (8, 1), "0.1b": (16, 1), "0.35b": (16, 1), "1b": (8, 1)}
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # bf16 rounding differs between kernels and compile
 TRAIN = TrainConfig()  # fastpt.train's optimizer defaults, used by every mode
 RANDOM_TOKENS = 1 << 22
+MIN_MODE_S = 20  # a mode started with less time than this left could not even compile
 
 
 @dataclass(frozen=True)
@@ -49,19 +65,26 @@ class Mode:
     impl: str  # fastpt | baseline
     compile: bool
     kernels: bool
-    compile_mode: str | None
+    compile_mode: str  # torch.compile's mode when compiled
+    activation_checkpointing: str = "none"
+    float8: bool = False
 
 
 def parse_mode(name: str) -> Mode:
     base, *options = name.split("+")
-    unknown = set(options) - {"kernels", *COMPILE_OPTIONS}
-    if base not in ("eager", "compiled", "baseline") or unknown or len(options) != len(set(options)):
-        raise ValueError(f"bad mode {name!r}: eager|compiled|baseline [+kernels] [+autotune|+cudagraphs]")
-    compile_modes = [COMPILE_OPTIONS[o] for o in options if o in COMPILE_OPTIONS]
-    if len(compile_modes) > 1 or (compile_modes and base == "eager") or (base == "baseline" and "kernels" in options):
-        raise ValueError(f"bad mode {name!r}: compile options need compiled/baseline, kernels need fastpt")
-    return Mode(name, "baseline" if base == "baseline" else "fastpt", base != "eager",
-                "kernels" in options, compile_modes[0] if compile_modes else None)
+    if base not in ("eager", "compiled", "baseline") or set(options) - OPTIONS or len(options) != len(set(options)):
+        raise ValueError(f"bad mode {name!r}: eager|compiled|baseline [+kernels] [+autotune] [+cudagraphs] "
+                         "[+ac|+ac-selective] [+float8]")
+    autotune, cudagraphs = "autotune" in options, "cudagraphs" in options
+    ac = [AC_OPTIONS[o] for o in options if o in AC_OPTIONS]
+    if (autotune or cudagraphs) and base == "eager":
+        raise ValueError(f"bad mode {name!r}: autotune and cudagraphs need compiled or baseline")
+    if base == "baseline" and set(options) - {"autotune", "cudagraphs"}:
+        raise ValueError(f"bad mode {name!r}: kernels, ac and float8 are fastpt's, not the baseline's")
+    if len(ac) > 1:
+        raise ValueError(f"bad mode {name!r}: one of ac, ac-selective")
+    return Mode(name, "baseline" if base == "baseline" else "fastpt", base != "eager", "kernels" in options,
+                COMPILE_MODES[autotune, cudagraphs], ac[0] if ac else "none", "float8" in options)
 
 
 @dataclass
@@ -77,6 +100,21 @@ class Setup:
     seed: int = 1337
     lr: float = TRAIN.lr
     threads: int = 0  # CPU threads; 0 = torch's default
+
+
+def unavailable(mode: Mode, setup: Setup) -> str | None:
+    """Why the mode's lever cannot run on this device or at this setup (the row says so), or None."""
+    device = torch.device(setup.device)
+    if mode.compile_mode in CUDA_GRAPH_MODES and device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if mode.compile_mode in CUDA_GRAPH_MODES and setup.grad_accum > 1:
+        return "CUDA graphs need --grad-accum 1 (as fastpt.train refuses them otherwise)"
+    if mode.float8:
+        try:
+            float8.check(device)
+        except FastptError as e:
+            return str(e)
+    return None
 
 
 @dataclass
@@ -96,7 +134,8 @@ def build(setup: Setup, mode: Mode) -> Run:
     cfg = model_config(TrainConfig(preset=setup.preset, seq_len=setup.seq_len),
                        data_vocab(Path(setup.data_dir), shards, False))
     torch.manual_seed(setup.seed)
-    fastpt_model = Transformer(cfg, backend)  # built on the CPU: identical weights on every device
+    # built on the CPU: identical weights on every device
+    fastpt_model = Transformer(cfg, backend, activation_checkpointing=mode.activation_checkpointing)
     betas = (TRAIN.beta1, TRAIN.beta2)
     if mode.impl == "baseline":
         model = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
@@ -106,20 +145,17 @@ def build(setup: Setup, mode: Mode) -> Run:
         optimizer = model.configure_optimizers(TRAIN.weight_decay, setup.lr, betas)
     else:
         model = fastpt_model.to(device)
+        if mode.float8:
+            float8.convert(model)
         optimizer = build_optimizer(model, TRAIN.weight_decay, "ndim", setup.lr, betas, TRAIN.eps)  # = nanoGPT groups
-    net = torch.compile(model, mode=mode.compile_mode) if mode.compile else model
+    # compiled in place as fastpt.train compiles one process
+    net = parallelize(model, Dist(), "ddp", DTYPES[setup.dtype], mode.compile_mode if mode.compile else None)
     loader = TrainLoader(Windows(shards, setup.seq_len), setup.micro_batch, setup.seed, device)
     autocast = torch.autocast(device.type, dtype=DTYPES[setup.dtype], enabled=setup.dtype != "fp32")
     scaler = torch.amp.GradScaler(device.type, enabled=setup.dtype == "fp16")  # as fastpt.train builds it
     step = lambda: train_step(net, optimizer, scaler, loader, setup.grad_accum, autocast, TRAIN.max_grad_norm).loss
     return Run(step, loader, fastpt_model.num_params(), fastpt_model.flops_per_token(setup.seq_len),
                setup.micro_batch * setup.seq_len * setup.grad_accum)
-
-
-def unique_graphs() -> int:
-    """Graphs dynamo has compiled in this process: must not grow after warm-up."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
 
 
 def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
@@ -136,7 +172,7 @@ def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
         run.step()
     sync(device)
     warmup_s = time.perf_counter() - t0
-    graphs = unique_graphs()
+    graphs = compiled_graphs()  # must not grow after warm-up
     run.loader.wait_s = 0.0
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -149,7 +185,7 @@ def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
         "mode": mode.name, "tok_s": run.tokens_per_step * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
         "peak_mem_gib": peak, "loss": loss.item(),
         "compile_s": max(0.0, warmup_s - warmup * elapsed / steps),  # warm-up time beyond steady steps
-        "data_wait_pct": 100 * run.loader.wait_s / elapsed, "graphs_after_warmup": unique_graphs() - graphs,
+        "data_wait_pct": 100 * run.loader.wait_s / elapsed, "graphs_after_warmup": compiled_graphs() - graphs,
         "params": run.params, "flops_per_token": run.flops_per_token, "tokens_per_step": run.tokens_per_step,
         "cpu_threads": torch.get_num_threads(),
     }
@@ -167,6 +203,19 @@ def measure_isolated(setup: Setup, mode: Mode, steps: int, warmup: int, timeout:
         if proc.returncode or not out.is_file():
             return {"mode": mode.name, "error": f"process exited with code {proc.returncode}"}
         return json.loads(out.read_text())
+
+
+def run_mode(setup: Setup, mode: Mode, steps: int, warmup: int, timeout: float | None, deadline: float) -> dict:
+    """One row: skipped when the device lacks the mode's lever or the time budget is spent, else
+    measured in its own process, within the mode timeout and the budget."""
+    if why := unavailable(mode, setup):
+        return {"mode": mode.name, "skipped": why}
+    left = deadline - time.monotonic()
+    if left < MIN_MODE_S:
+        return {"mode": mode.name, "skipped": f"out of time ({max(left, 0):.0f} s of --time-budget left)"}
+    print(f"bench: {mode.name} ...", file=sys.stderr, flush=True)
+    limit = min(timeout or math.inf, left)
+    return measure_isolated(setup, mode, steps, warmup, None if limit == math.inf else limit)
 
 
 def prepare_data(spec: str, tmp: Path, vocab: int) -> tuple[Path, str]:
@@ -190,16 +239,17 @@ def prepare_data(spec: str, tmp: Path, vocab: int) -> tuple[Path, str]:
 
 
 def losses_agree(rows: list[dict], rtol: float) -> bool:
-    """Annotate each row with its loss's relative difference to the first row's; all within rtol?"""
-    ok = [r for r in rows if "error" not in r]
+    """Annotate each measured row with its loss's relative difference to the first measured row's;
+    no mode errored and all within rtol? (A skipped row is neither.)"""
+    ok = [r for r in rows if "loss" in r]
     for r in ok:
         r["loss_rel_diff"] = abs(r["loss"] - ok[0]["loss"]) / abs(ok[0]["loss"])
-    return len(ok) == len(rows) and all(r["loss_rel_diff"] <= rtol for r in ok)
+    return not any("error" in r for r in rows) and all(r["loss_rel_diff"] <= rtol for r in ok)
 
 
 def ratio(row: dict, rows: list[dict], name: str) -> str:
-    ref = next((r for r in rows if r["mode"] == name and "error" not in r), None)
-    return f"{row['tok_s'] / ref['tok_s']:.2f}x" if ref and "error" not in row else "–"
+    ref = next((r for r in rows if r["mode"] == name and "tok_s" in r), None)
+    return f"{row['tok_s'] / ref['tok_s']:.2f}x" if ref and "tok_s" in row else "–"
 
 
 def markdown(rows: list[dict], info: dict) -> str:
@@ -215,8 +265,9 @@ def markdown(rows: list[dict], info: dict) -> str:
               "loss", "compile s", "data wait %", "new graphs"]
     table = []
     for r in rows:
-        if "error" in r:
-            table.append([r["mode"], f"error: {r['error']}"] + [""] * (len(header) - 2))
+        if "tok_s" not in r:
+            why = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
+            table.append([r["mode"], why] + [""] * (len(header) - 2))
             continue
         table.append([r["mode"], f"{r['tok_s']:,.0f}", ratio(r, rows, "eager"), ratio(r, rows, "baseline"),
                       f"{r['step_ms']:.1f}", f"{r['peak_mem_gib']:.2f}", fmt(r["mfu"], ".2f"),
@@ -248,6 +299,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", help="write every row (and the table) here")
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--mode-timeout", type=float, help="seconds per mode before it counts as failed")
+    ap.add_argument("--time-budget", type=float, help="seconds for all modes: a mode is skipped when less than "
+                                                      f"{MIN_MODE_S} s are left, and none runs past it")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     if gpu and not cuda:
@@ -269,7 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def add_mfu(rows: list[dict], peak: float | None, ceiling_tflops: float | None) -> None:
     """Model FLOPs utilization against the device's peak table and against the measured matmul."""
     for r in rows:
-        if "error" not in r:
+        if "tok_s" in r:
             flops = r["flops_per_token"] * r["tok_s"]
             r["mfu"] = flops / peak if peak else None
             r["mfu_matmul"] = flops / (ceiling_tflops * 1e12) if ceiling_tflops else None
@@ -286,10 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         data_dir, data_desc = prepare_data(args.data, Path(tmp), PRESETS[args.preset].vocab_size)
         setup = Setup(args.preset, args.device, args.micro_batch, args.grad_accum, args.seq_len, args.dtype,
                       str(data_dir), threads=args.threads)
-        rows = []
-        for mode in args.modes:
-            print(f"bench: {mode.name} ...", file=sys.stderr, flush=True)
-            rows.append(measure_isolated(setup, mode, args.steps, args.warmup, args.mode_timeout))
+        deadline = time.monotonic() + (math.inf if args.time_budget is None else args.time_budget)
+        rows = [run_mode(setup, mode, args.steps, args.warmup, args.mode_timeout, deadline) for mode in args.modes]
     add_mfu(rows, peak, ceiling)
     info = {**env, **dataclasses.asdict(setup), "data": data_desc, "steps": args.steps, "warmup": args.warmup,
             "matmul_tflops": ceiling, "peak_tflops": peak and peak / 1e12,
@@ -301,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, info)
     print(table)
     verdict = "losses agree" if agree else "FAILED: a mode errored or the losses disagree"
-    print(f"\n{verdict} (relative tolerance {LOSS_RTOL[args.dtype]:g} vs {rows[0]['mode']})")
+    first = next((r["mode"] for r in rows if "loss" in r), "none measured")
+    print(f"\n{verdict} (relative tolerance {LOSS_RTOL[args.dtype]:g} vs {first})")
     if args.json:
         write_json(args.json, {"kind": "train_step", "losses_agree": agree, "markdown": table,
                                "rows": [{**info, **r} for r in rows]})
