@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import fcntl
 import fnmatch
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -310,14 +311,19 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def default_corpus(vocab_size: int) -> Path:
-    """The stdlib corpus, prepared once per interpreter version and vocab, then reused."""
+def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
+    """The stdlib corpus, prepared once per interpreter version and tokenizer (a local BPE of
+    `vocab_size`, or the given tokenizer.json, e.g. the one of an --init-from model), then reused."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
-    out = cache_dir() / f"stdlib-{version}-bpe{vocab_size}"
+    if tokenizer is None:
+        out, kind = cache_dir() / f"stdlib-{version}-bpe{vocab_size}", "bpe"
+    else:  # named by content: another model's tokenizer.json under the same path is another corpus
+        digest = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()[:16]
+        out, kind = cache_dir() / f"stdlib-{version}-tok{digest}", str(tokenizer)
     if not (out / "meta.json").is_file():
         print(f"preparing the default corpus (Python stdlib sources) into {out} (once)", flush=True)
         # in this process: the trainer has imported torch, and spawned workers would import it again
-        prepare(stdlib_sources(), out, "bpe", vocab_size, workers=1)
+        prepare(stdlib_sources(), out, kind, vocab_size, workers=1)
     return out
 
 

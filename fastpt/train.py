@@ -21,16 +21,17 @@ import torch.nn as nn
 
 import kernels
 from fastpt import checkpoint, distributed, float8
-from fastpt.config import (CUDA_GRAPH_MODES, ModelConfig, TrainConfig, model_config, parse_args, profile_steps,
-                           resolve, to_toml)
+from fastpt.config import (CUDA_GRAPH_MODES, PRESETS, ModelConfig, TrainConfig, model_config, parse_args,
+                           profile_steps, resolve, to_toml)
 from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
 from fastpt.errors import CheckpointError, ConfigError, run_command
 from fastpt.files import lock
-from fastpt.hf import load_hf
+from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at
 from fastpt.profiling import StepProbe
+from fastpt.tokenizer import copy_for_run
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -207,11 +208,15 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     data_dir = Path(cfg.data) if cfg.data else None
     if data_dir is None:
         from fastpt.prepare import default_corpus
-        vocab_hint = model_config(cfg, 0).vocab_size or 4096
+        vocab_hint = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or 4096  # BPE size (tiny takes the data's)
+        tokenizer = hf_tokenizer_path(cfg.init_from) if init else None
+        if init and tokenizer is None:  # a BPE of our own would give its ids another meaning
+            raise ConfigError(f"{cfg.init_from} has no tokenizer.json to prepare the default corpus with: "
+                              "give --data prepared with the model's tokenizer")
         if d.is_main:  # prepared once, by rank 0; the others wait, then find it complete
-            default_corpus(vocab_hint)
+            default_corpus(vocab_hint, tokenizer)
         distributed.barrier(d)
-        data_dir = default_corpus(vocab_hint)
+        data_dir = default_corpus(vocab_hint, tokenizer)
     headerless = cfg.data_format == "nanogpt"
     train_shards = find_shards(data_dir, "train", cfg.data_format)
     val_shards = find_shards(data_dir, "val", cfg.data_format)
@@ -291,8 +296,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     if d.is_main:
         try:
             (run_dir / "config.toml").write_text(to_toml(cfg))
-            if (data_dir / "tokenizer.json").is_file():  # the run folder alone is enough for fastpt.sample
-                (run_dir / "tokenizer.json").write_bytes((data_dir / "tokenizer.json").read_bytes())
+            copy_for_run(data_dir, run_dir)  # the run folder alone is enough for fastpt.sample
             rewind(run_dir / "metrics.jsonl", state.step)
         except OSError as e:
             raise ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})") from None

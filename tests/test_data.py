@@ -19,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import REPO, TINY, run_main, run_train
-from fastpt import prepare, train
+from fastpt import prepare, sample, train
 from fastpt.data import data_vocab, find_shards, read_shard, write_shard
 from fastpt.sources import parse_hub_spec
 from fastpt.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
@@ -150,7 +150,7 @@ def test_decode_never_fails_on_ids_outside_the_vocab():
         assert tok.decode(ids + [tok.vocab_size, tok.vocab_size + 1000, -1]) == "abc"
 
 
-def test_nanogpt_char_data_with_meta_pkl_trains_and_decodes(tmp_path):
+def test_nanogpt_char_data_with_meta_pkl_trains_and_decodes(tmp_path, capsys):
     text = "".join(DOCS) * 20
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
@@ -167,9 +167,11 @@ def test_nanogpt_char_data_with_meta_pkl_trains_and_decodes(tmp_path):
     result = run_train("--data", str(data), "--data-format", "nanogpt", "--out", str(tmp_path / "run"), *TINY,
                        "--max-steps", "3")
     assert result.returncode == 0, result.stderr
-    copy_for_run(data, tmp_path / "run")  # what the trainer writes for fastpt.sample
-    tok = load_tokenizer(tmp_path / "run" / "tokenizer.json")
+    tok = load_tokenizer(tmp_path / "run" / "tokenizer.json")  # what the trainer wrote for fastpt.sample
     assert tok.vocab_size == len(chars) and tok.eot_id is None and tok.decode(ids.tolist()) == text
+    code, out, err = run_main(sample.main, ["--ckpt", str(tmp_path / "run"), "--device", "cpu",
+                                            "--prompt", "a", "--max-new-tokens", "8"], capsys)
+    assert code == 0 and set(out.strip()) <= set(chars), err
 
 
 def test_headerless_data_without_meta_is_gpt2(tmp_path):
@@ -350,3 +352,23 @@ def test_train_data_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys
                                          "--max-steps", "1", *extra], capsys)
     assert code == 2
     assert_one_line_error(err, named.format(d=folder))
+
+
+def few_stdlib_files(count: int = 12) -> list[Path]:
+    import sysconfig
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:count]
+
+
+def test_without_data_the_default_corpus_is_prepared_once(tmp_path, monkeypatch, capsys):
+    """No --data (the README's first command): the stdlib corpus (here a few of its files) is
+    prepared into the cache with a local BPE by the first run, and found there by the next."""
+    monkeypatch.setenv("FASTPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepare, "stdlib_sources", few_stdlib_files)
+    args = [*TINY, "--max-steps", "2", "--out"]
+    code, out, err = run_main(train.main, args + [str(tmp_path / "first")], capsys)
+    assert code == 0 and "preparing the default corpus" in out, err
+    code, out, err = run_main(train.main, args + [str(tmp_path / "second")], capsys)
+    assert code == 0 and "preparing the default corpus" not in out, err
+    (corpus,) = (tmp_path / "cache").iterdir()
+    assert json.loads((corpus / "meta.json").read_text())["vocab_size"] == 4096
+    assert (tmp_path / "second" / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()

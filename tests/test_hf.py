@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY, read_metrics, run_main, run_train
-from fastpt import export, hf, sample
+from fastpt import export, hf, prepare, sample, train
 from fastpt.config import PRESETS, ModelConfig
 from fastpt.data import TrainLoader, Windows, find_shards
 from fastpt.errors import CheckpointError, ConfigError
@@ -264,3 +264,26 @@ def test_preset_parameter_counts():
         cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or 257)  # tiny takes the data's vocab
         with torch.device("meta"):
             assert Transformer(cfg).num_params() == cfg.num_params(), name
+
+
+def test_init_from_without_data_prepares_the_default_corpus_with_the_models_tokenizer(
+        exported, tmp_path, monkeypatch, capsys):
+    """The HF folder's own tokenizer.json prepares the default corpus, so the ids mean what the
+    weights learned; a folder without one is refused rather than trained on another tokenizer's ids."""
+    from test_data import few_stdlib_files
+
+    monkeypatch.setenv("FASTPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepare, "stdlib_sources", few_stdlib_files)
+    args = ["--device", "cpu", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4", "--max-steps", "2"]
+    code, out, err = run_main(train.main, args + ["--init-from", str(exported), "--out", str(tmp_path / "run")], capsys)
+    assert code == 0 and "preparing the default corpus" in out, err
+    (corpus,) = (tmp_path / "cache").iterdir()
+    assert json.loads((corpus / "meta.json").read_text())["tokenizer"] == str(exported / "tokenizer.json")
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == (exported / "tokenizer.json").read_bytes()
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((exported / name).read_bytes())
+    code, _, err = run_main(train.main, args + ["--init-from", str(bare), "--out", str(tmp_path / "other")], capsys)
+    assert_one_line_error(code, err, str(bare), "tokenizer.json", "--data")
