@@ -346,7 +346,7 @@ def describe_presets() -> str:
     """One line per preset: shape, parameters, default batch."""
     lines = []
     for name, m in PRESETS.items():
-        params = f"{m.num_params() / 1e6:,.1f}M params" if m.vocab_size else "vocab from the data"
+        params = f"{m.num_params():,} params" if m.vocab_size else "vocab from the data"
         kv = f", {m.kv_heads} kv heads" if m.kv_heads != m.n_heads else ""
         tied = "tied" if m.tie_embeddings else "untied"
         micro, accum = PRESET_BATCH[name]

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import TINY, read_metrics, run_train
+from conftest import TINY, read_metrics, run_main, run_train
+from fastpt import train
 from fastpt.config import PRESET_BATCH, PRESETS, ConfigError, TrainConfig, load_toml, model_config, resolve, to_toml
 from fastpt.data import DataError, TrainLoader, Windows, read_shard, write_shard
 from fastpt.model import Transformer
@@ -221,12 +222,12 @@ def test_config_precedence_file_errors_and_round_trip(tmp_path):
         resolve({"warmup_steps": 600, "max_steps": 100}, None, "cpu")
 
 
-def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path):
-    common = (*TINY, "--data", str(tiny_data), "--max-steps", "4", "--log-every", "1", "--eval-every", "100")
-    one = run_train(*common, "--micro-batch", "8", "--grad-accum", "1", "--out", str(tmp_path / "a"))
-    four = run_train(*common, "--micro-batch", "2", "--grad-accum", "4", "--out", str(tmp_path / "b"))
-    assert one.returncode == 0, one.stderr
-    assert four.returncode == 0, four.stderr
+def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path, capsys):
+    common = [*TINY, "--data", str(tiny_data), "--max-steps", "4", "--log-every", "1", "--eval-every", "100"]
+    for name, micro_batch, accum in (("a", "8", "1"), ("b", "2", "4")):
+        code, _, err = run_main(train.main, common + ["--micro-batch", micro_batch, "--grad-accum", accum,
+                                                      "--out", str(tmp_path / name)], capsys)
+        assert code == 0, err
     a, b = [r["loss"] for r in read_metrics(tmp_path / "a")], [r["loss"] for r in read_metrics(tmp_path / "b")]
     assert len(a) == 4
     np.testing.assert_allclose(a, b, rtol=1e-5)
@@ -248,16 +249,16 @@ def test_tiny_run_on_real_text_learns_and_writes_its_run_dir(bpe_data, tmp_path)
     assert len(val) == 2
 
 
-def test_checkpoint_resume_continues_at_the_right_step(tiny_data, tmp_path):
-    common = (*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1", "--eval-every", "100")
-    first = run_train(*common, "--max-steps", "4", "--ckpt-every", "2")
-    assert first.returncode == 0, first.stderr
+def test_checkpoint_resume_continues_at_the_right_step(tiny_data, tmp_path, capsys):
+    common = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1", "--eval-every", "100"]
+    code, _, err = run_main(train.main, common + ["--max-steps", "4", "--ckpt-every", "2"], capsys)
+    assert code == 0, err
     ckpt = torch.load(tmp_path / "ckpt_00000004.pt", weights_only=False)
     assert ckpt["step"] == 4 and ckpt["optimizer"]["state"]
     assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
-    resumed = run_train(*common, "--max-steps", "6", "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    code, out, err = run_main(train.main, common + ["--max-steps", "6", "--resume"], capsys)
+    assert code == 0, err
+    assert "resumed from" in out and "at step 4" in out
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
 
 
@@ -289,16 +290,15 @@ def test_eager_and_compiled_losses_agree(tiny_data, tmp_path):
                                [r["loss"] for r in read_metrics(tmp_path / "eager")], rtol=1e-4)
 
 
-def test_z_loss_is_trained_on_and_logged_apart(tiny_data, tmp_path):
+def test_z_loss_is_trained_on_and_logged_apart(tiny_data, tmp_path, capsys):
     """--z-loss 0 is the plain loss; --z-loss c logs the cross-entropy as `loss` (step 1, before any
     update, equals the plain run's) and c * logsumexp^2 as `z_loss` (near c * ln(V)^2 at init)."""
-    common = (*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "100")
-    runs = {z: run_train(*common, "--out", str(tmp_path / z), *(("--z-loss", z) if z != "off" else ()))
-            for z in ("off", "0", "0.01")}
-    assert all(r.returncode == 0 for r in runs.values()), [r.stderr for r in runs.values()]
-    plain, zero, z = (read_metrics(tmp_path / name) for name in ("off", "0", "0.01"))
-    assert [r["loss"] for r in zero] == [r["loss"] for r in plain] and "z_loss" not in zero[0]
+    common = [*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "100"]
+    for z in ("0", "0.01"):
+        code, out, err = run_main(train.main, common + ["--out", str(tmp_path / z), "--z-loss", z], capsys)
+        assert code == 0, err
+    plain, z = read_metrics(tmp_path / "0"), read_metrics(tmp_path / "0.01")
+    assert "z_loss" not in plain[0] and "| Z: " in out
     assert z[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
     assert 0.01 * math.log(257) ** 2 * 0.9 < z[0]["z_loss"] < 0.01 * math.log(257) ** 2 * 1.1
     assert z[-1]["loss"] != plain[-1]["loss"]  # the z term changed the updates
-    assert "| Z: " in runs["0.01"].stdout

@@ -123,7 +123,9 @@ def records(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
 
 
-@pytest.mark.parametrize("log_every, ckpt_every", [(1, 4), (3, 4), (4, 3), (5, 2)])
+@pytest.mark.parametrize("log_every, ckpt_every", [  # (3, 4): a log window straddles the checkpoint
+    pytest.param(1, 4, marks=pytest.mark.slow), (3, 4), pytest.param(4, 3, marks=pytest.mark.slow),
+    pytest.param(5, 2, marks=pytest.mark.slow)])
 def test_resume_after_sigkill_logs_what_the_uninterrupted_run_logs(tiny_data, tmp_path, log_every, ckpt_every):
     """SIGKILL in the middle of a random step, resume: every record (loss averaged over a log window
     that straddles the checkpoint too, lr, grad norm, tokens, val loss) equals the uninterrupted run's."""
@@ -153,7 +155,8 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tiny_data, t
     assert not list(tmp_path.glob(".*.tmp*"))  # the next save cleared the leftover
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_preemption_checkpoints_exits_0_and_resumes(tiny_data, tmp_path, sig):
     args = (*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1", "--eval-every", "1000",
             "--ckpt-every", "1000")
