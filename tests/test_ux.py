@@ -109,8 +109,8 @@ def test_compiled_generation_matches_eager(run_dir):
 
 def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsys):
     ckpt = checkpoint.latest(run_dir)
-    code, out, err = run_main(sample.main, ["--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--device", "cpu",
-                                 "--num-samples", "3"], capsys)
+    code, out, err = run_main(sample.main, ["--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8",
+                                            "--device", "cpu", "--num-samples", "3"], capsys)
     assert code == 0, err
     samples = out.split("-" * 40 + "\n")
     assert len(samples) == 3 and all(s.startswith("def ") for s in samples)
