@@ -224,7 +224,9 @@ def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: i
     tokenizer_json = (folder / "tokenizer.json").read_text(encoding="utf-8")
     writer = ShardWriter(folder, "train", vocab_size, shard_tokens)
     docs = nbytes = 0
-    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024) as bar:
+    # a terminal gets a live bar; a log file one progress line every 30 s, not a redraw a second
+    interval = 0.1 if sys.stderr.isatty() else 30
+    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024, mininterval=interval) as bar:
         for tokens, n, d in encode_all(batches(documents(sources, text_field)), tokenizer_json, workers):
             writer.write(tokens)
             docs, nbytes = docs + d, nbytes + n

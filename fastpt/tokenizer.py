@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -85,7 +86,7 @@ class HFTokenizer:
         self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = True) -> "HFTokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> "HFTokenizer":
         """Byte-level BPE: every byte is in the alphabet, so no text is ever out of vocabulary."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -140,7 +141,7 @@ def build_tokenizer(spec: str, vocab_size: int, sample: Callable[[], Iterable[st
     if spec == "char":
         return CharTokenizer.train(sample())
     if spec == "bpe":
-        return HFTokenizer.train(sample(), vocab_size)
+        return HFTokenizer.train(sample(), vocab_size, show_progress=sys.stderr.isatty())  # bars, not a log's lines
     if spec.startswith("tiktoken:"):
         return TiktokenTokenizer(spec.removeprefix("tiktoken:"))
     if spec.startswith("hf:"):
