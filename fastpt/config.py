@@ -63,11 +63,12 @@ class ModelConfig:
 
     def check(self) -> ModelConfig:
         """One line naming the field for a shape the model cannot have."""
-        for key in ("dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len", "vocab_size"):
+        for key in ("dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"'{key}' must be > 0, got {getattr(self, key)}")
-        if self.n_kv_heads < 0:
-            raise ConfigError(f"'n_kv_heads' must be >= 0 (0 = n_heads), got {self.n_kv_heads}")
+        for key, zero in (("n_kv_heads", "n_heads"), ("vocab_size", "the data's")):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"'{key}' must be >= 0 (0 = {zero}), got {getattr(self, key)}")
         if self.dim % self.n_heads:
             raise ConfigError(f"'dim' = {self.dim} is not divisible by 'n_heads' = {self.n_heads}")
         if self.n_heads % self.kv_heads:
@@ -273,7 +274,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
                           f"got {cfg.grad_accum}: raise micro_batch instead")
     profile_steps(cfg)
+    if not cfg.init_from:  # a shape that cannot work fails now, not after the data is prepared
+        dataclasses.replace(PRESETS[cfg.preset], **shape_keys(cfg)).check()
     return cfg
+
+
+def shape_keys(cfg: TrainConfig) -> dict[str, Any]:
+    """The model shape keys given (by TOML or flags) on top of the preset."""
+    return {k: getattr(cfg, k) for k in MODEL_FIELDS if getattr(cfg, k) is not None}
 
 
 def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
@@ -324,7 +332,7 @@ def model_config(cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = N
     """The preset (or `base`, a model to start from, whose shape the keys may not change) with the
     shape keys given on top; its vocab widened to the data's when the data needs more (e.g. GPT-2
     ids in FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len."""
-    overrides = {k: getattr(cfg, k) for k in MODEL_FIELDS if getattr(cfg, k) is not None}
+    overrides = shape_keys(cfg)
     if base is not None:
         for k, v in overrides.items():
             if k != "max_seq_len" and v != getattr(base, k):

@@ -372,3 +372,10 @@ def test_without_data_the_default_corpus_is_prepared_once(tmp_path, monkeypatch,
     (corpus,) = (tmp_path / "cache").iterdir()
     assert json.loads((corpus / "meta.json").read_text())["vocab_size"] == 4096
     assert (tmp_path / "second" / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
+
+
+def test_a_shape_that_cannot_work_is_refused_before_the_default_corpus_is_prepared(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FASTPT_CACHE", str(tmp_path / "cache"))
+    code, _, err = run_main(train.main, [*TINY, "--n-heads", "3", "--out", str(tmp_path / "run")], capsys)
+    assert code == 2 and not (tmp_path / "cache").exists()
+    assert_one_line_error(err, "'dim' = 128 is not divisible by 'n_heads' = 3")
