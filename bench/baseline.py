@@ -25,6 +25,7 @@ class GPTConfig:
     max_seq_len: int
     eps: float = 1e-6
     rope_theta: float = 10000.0
+    tie_embeddings: bool = True
 
 
 class RMSNorm(nn.Module):
@@ -98,7 +99,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = RMSNorm(cfg.dim, cfg.eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         head_dim = cfg.dim // cfg.n_heads
         freqs = cfg.rope_theta ** -(torch.arange(0, head_dim, 2).double() / head_dim)
         angles = torch.arange(cfg.max_seq_len).double()[:, None] * freqs[None, :]  # (T, hd/2)
@@ -135,8 +137,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def load_llama_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights from Meta's Llama layout (tok_embeddings, layers.i.attention.wq, ...)."""
-        own = {"wte.weight": sd["tok_embeddings.weight"], "lm_head.weight": sd["tok_embeddings.weight"],
-               "ln_f.weight": sd["norm.weight"]}
+        head = "tok_embeddings.weight" if self.cfg.tie_embeddings else "output.weight"
+        own = {"wte.weight": sd["tok_embeddings.weight"], "lm_head.weight": sd[head], "ln_f.weight": sd["norm.weight"]}
         for i in range(self.cfg.n_layers):
             src, dst = f"layers.{i}.", f"h.{i}."
             own[dst + "ln_1.weight"] = sd[src + "attention_norm.weight"]

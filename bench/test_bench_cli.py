@@ -7,8 +7,12 @@ import sys
 import time
 
 import pytest
+import torch
 
+from bench import baseline
 from bench.common import REPO
+from fastpt.config import ModelConfig
+from fastpt.model import Transformer
 from bench.train_step import Setup, losses_agree, parse_mode, run_mode, unavailable
 
 ROW_FIELDS = {"mode", "tok_s", "step_ms", "peak_mem_gib", "mfu", "loss", "compile_s", "device", "device_name",
@@ -80,3 +84,20 @@ def test_lever_rows_on_cpu(tmp_path):
     assert "need --grad-accum 1" in unavailable(parse_mode("compiled+cudagraphs"), on_gpu)
     spent = run_mode(on_gpu, parse_mode("eager"), 1, 1, None, deadline=time.monotonic() + 5)
     assert spent["mode"] == "eager" and spent["skipped"].startswith("out of time (")
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_the_baseline_computes_the_same_model_as_fastpt(tie):
+    """The peer is the same function (weights copied over, GQA and the 1b preset's untied head
+    included): only then is its speed comparable and its loss a check on ours."""
+    cfg = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32,
+                      tie_embeddings=tie)
+    torch.manual_seed(0)
+    ours = Transformer(cfg, "torch")
+    theirs = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
+                                             cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta, tie))
+    theirs.load_llama_state(ours.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 33))
+    _, loss, _ = ours(ids[:, :-1], labels=ids[:, 1:])
+    _, peer_loss, _ = theirs(ids[:, :-1], labels=ids[:, 1:])
+    torch.testing.assert_close(peer_loss, loss, rtol=1e-5, atol=0)

@@ -139,7 +139,8 @@ def build(setup: Setup, mode: Mode) -> Run:
     betas = (TRAIN.beta1, TRAIN.beta2)
     if mode.impl == "baseline":
         model = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
-                                                cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta))
+                                                cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta,
+                                                cfg.tie_embeddings))
         model.load_llama_state(fastpt_model.state_dict())
         model.to(device)
         optimizer = model.configure_optimizers(TRAIN.weight_decay, setup.lr, betas)
