@@ -18,6 +18,7 @@ __fastpt_kernels__ = True
 __all__ = ["rms_norm", "cross_entropy", "linear_cross_entropy", "available"]
 
 BACKENDS = ("auto", "triton", "torch")
+REDUCTIONS = ("mean", "sum", "none")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -43,6 +44,15 @@ def _use_triton(backend: str, t: torch.Tensor) -> bool:
     return runnable
 
 
+def _check_loss_args(reduction: str, **matrices: torch.Tensor) -> None:
+    """The same refusals on every backend: the reference would broadcast what the kernels reject."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    for name, t in matrices.items():
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str = "auto") -> torch.Tensor:
     """x / sqrt(mean(x^2, -1) + eps) * weight over the last dim; output in x's dtype."""
     impl = functional if _use_triton(backend, x) else reference
@@ -60,6 +70,7 @@ def cross_entropy(
     lets the Triton path overwrite the logits with their gradient (one (N, V) buffer, not two): do not
     read logits after the call. The reference ignores it.
     """
+    _check_loss_args(reduction, logits=logits)
     if not _use_triton(backend, logits):
         return reference.cross_entropy(logits, target, ignore_index, reduction, z_loss=z_loss,
                                        return_z_loss=return_z_loss)
@@ -73,6 +84,7 @@ def linear_cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy(input @ weight.T, target, ...), input (N, D), weight (V, D); fp32 loss, z_loss
     and return_z_loss as in cross_entropy. The Triton path never materializes the (N, V) logits."""
+    _check_loss_args(reduction, input=input, weight=weight)
     impl = functional if _use_triton(backend, input) else reference
     return impl.linear_cross_entropy(input, weight, target, ignore_index, reduction, z_loss=z_loss,
                                      return_z_loss=return_z_loss)

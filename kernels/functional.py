@@ -14,8 +14,6 @@ from torch import Tensor
 
 from kernels.reference import reduce_rows
 
-_REDUCTIONS = ("mean", "sum", "none")
-
 
 def _no_double_backward(op: str) -> None:
     """Autograd runs a backward with grad mode on only for create_graph=True; these backward
@@ -92,14 +90,6 @@ def _loss_fake(rows: Tensor, reduction: str) -> Tensor:
 
 def _rows_fake(rows: Tensor) -> Tensor:
     return rows.new_empty(rows.shape[:1], dtype=torch.float32)
-
-
-def _check(reduction: str, **matrices: Tensor) -> None:
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    for name, t in matrices.items():
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
 
 
 # ------------------------------------------------------------------------ cross-entropy
@@ -211,7 +201,6 @@ def cross_entropy(
     afterwards gives the gradient. Targets outside [0, V) other than ignore_index are not checked
     (that would need a host sync).
     """
-    _check(reduction, logits=logits)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     target = target.contiguous()
@@ -320,7 +309,6 @@ def linear_cross_entropy(
     The matmuls run in the autocast dtype when autocast is on (as F.linear would), else in the
     promoted dtype of input and weight; softmax and accumulation are fp32; the loss is fp32.
     """
-    _check(reduction, input=input, weight=weight)
     device = input.device.type
     if torch.is_autocast_enabled(device):
         compute_dtype = torch.get_autocast_dtype(device)

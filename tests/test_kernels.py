@@ -315,8 +315,14 @@ def test_bad_arguments(monkeypatch):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="'cuda'"):
         kernels.rms_norm(x, torch.ones(8), backend="cuda")
-    with pytest.raises(ValueError, match="'avg'"):
-        kernels.functional.cross_entropy(x, torch.zeros(2, dtype=torch.long), reduction="avg")
+    for backend in kernels.BACKENDS[1:]:  # checked before a backend is chosen: each refuses alike
+        with pytest.raises(ValueError, match="'avg'"):
+            kernels.cross_entropy(x, torch.zeros(2, dtype=torch.long), reduction="avg", backend=backend)
+        with pytest.raises(ValueError, match="logits must be 2-D"):
+            kernels.cross_entropy(x[None], torch.zeros(1, 2, dtype=torch.long), backend=backend)
+        with pytest.raises(ValueError, match="input must be 2-D"):
+            kernels.linear_cross_entropy(x[None], torch.ones(3, 8), torch.zeros(1, 2, dtype=torch.long),
+                                         backend=backend)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not torch.cuda.is_available():
         assert not kernels.available()
