@@ -132,7 +132,7 @@ def setting(default: Any, help: str, *, choices: tuple = (), domain: Interval | 
 
 
 def shape(help: str) -> Any:
-    return setting(None, help + "; default: the preset's")
+    return setting(None, help + ", the preset's by default")
 
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")  # torch.compile's
@@ -165,8 +165,8 @@ class TrainConfig:
     tie_embeddings: bool | None = shape("share the LM head with the token embedding")
     # optimisation: the seed's values
     max_steps: int = setting(10000, "optimizer steps", domain=POSITIVE)
-    micro_batch: int = setting(16, "sequences per forward/backward; default: the preset's", domain=POSITIVE)
-    grad_accum: int = setting(4, "micro-batches per optimizer step; default: the preset's", domain=POSITIVE)
+    micro_batch: int = setting(16, "sequences per forward/backward, the preset's by default", domain=POSITIVE)
+    grad_accum: int = setting(4, "micro-batches per optimizer step, the preset's by default", domain=POSITIVE)
     lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
     min_lr_ratio: float = setting(0.1, "cosine floor as a fraction of the peak", domain=UNIT)
     warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
@@ -386,7 +386,8 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
         meta = f.metadata
         allowed = (f"; one of {', '.join(map(repr, meta['choices']))}" if meta["choices"]
                    else f"; {meta['domain']}" if meta["domain"] else "")
-        help_text = f"{meta['help']}{allowed} (default: {f.default!r})".replace("%", "%%")
+        default = "" if "the preset's by default" in meta["help"] else f" (default: {f.default!r})"
+        help_text = f"{meta['help']}{allowed}{default}".replace("%", "%%")
         if FIELD_TYPES[name] is bool:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
