@@ -85,7 +85,7 @@ def run_prepare(corpus: Path, out: Path, tokenizer: str, workers: int, vocab_siz
         peak = max(peak, tree_rss(proc.pid))
         time.sleep(0.25)
     if proc.returncode:
-        raise SystemExit(f"fastpt.prepare failed with exit code {proc.returncode}")
+        raise RuntimeError(f"fastpt.prepare failed with exit code {proc.returncode}")
     meta = json.loads((out / "meta.json").read_text())
     return {**meta, "wall_s": time.perf_counter() - t0, "peak_rss_gib": peak / 2**30}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from fastpt.errors import ConfigError
+from fastpt.errors import ArgumentParser, ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -362,12 +362,6 @@ def describe_presets() -> str:
                      f"vocab {m.vocab_size or 'data'}, seq {m.max_seq_len}, {tied}: {params}; "
                      f"batch {micro} x {accum} accum")
     return "\n".join(lines)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        """A mistyped flag is a user's mistake: one line through ConfigError, not a usage dump."""
-        raise ConfigError(f"command line: {message}")
 
 
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:

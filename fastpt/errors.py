@@ -5,6 +5,7 @@ fault. Only a command's `main` turns them into one `fastpt: error: ...` line and
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Callable, NoReturn
@@ -31,6 +32,12 @@ class CheckpointError(FastptError, RuntimeError):
 
 class MissingPackage(FastptError, ImportError):
     """An optional package that a requested feature needs; the message says what to install."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """A mistyped flag is a user's mistake: one line through ConfigError, not a usage dump."""
+        raise ConfigError(f"command line: {message}")
 
 
 def require(module: str, feature: str, pip_name: str | None = None):

@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 
 from fastpt import hf
-from fastpt.config import ArgumentParser
-from fastpt.errors import ConfigError, DataError, run_command
+from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.sample import find_checkpoint, find_tokenizer, load_model, pick_tokenizer
 from fastpt.tokenizer import load_tokenizer
 

@@ -4,13 +4,12 @@ Panels: train and val loss vs step, the same vs tokens seen, learning rate, thro
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 
-from fastpt.errors import DataError, require, run_command
+from fastpt.errors import ArgumentParser, DataError, require, run_command
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -69,7 +68,7 @@ def plot(run_dir: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fastpt.plot", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m fastpt.plot", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", metavar="RUN_DIR", help="run folder with metrics.jsonl (the --out of fastpt.train)")
     print(f"wrote {plot(ap.parse_args(argv).run_dir)}")
 

@@ -32,7 +32,7 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from fastpt.errors import ConfigError, DataError, run_command
+from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
 from fastpt.sources import Source, documents, find_sources
 from fastpt.tokenizer import KINDS, build_tokenizer, tokenizer_from_json
@@ -330,7 +330,7 @@ def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.splitlines()[0])
     ap.add_argument("inputs", nargs="*", help="text, .jsonl/.json(.gz/.zst), .parquet files, folders, globs, "
                                               "saved Hugging Face datasets (default: the Python stdlib sources)")
     ap.add_argument("--out", required=True, help="output folder for shards, tokenizer.json, meta.json")

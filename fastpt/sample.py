@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from fastpt import checkpoint, hf
-from fastpt.config import FIELDS, NON_NEGATIVE, POSITIVE, ArgumentParser, ModelConfig
-from fastpt.errors import CheckpointError, ConfigError, DataError, run_command
+from fastpt.config import FIELDS, NON_NEGATIVE, POSITIVE, ModelConfig
+from fastpt.errors import ArgumentParser, CheckpointError, ConfigError, DataError, run_command
 from fastpt.model import Transformer
 from fastpt.tokenizer import load_tokenizer
 

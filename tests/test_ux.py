@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, read_metrics, run_main, run_train
-from fastpt import checkpoint, plot, prepare, sample, train
+from fastpt import checkpoint, export, plot, prepare, sample, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import MissingPackage
 from fastpt.metrics import MetricsLogger, peak_flops
@@ -196,3 +196,10 @@ def test_every_command_help_lists_its_options(module, options, capsys):
         assert option in text
     if module is not plot:  # plot's only argument is the required run folder
         assert text.count("(default:") >= len(options) - 1  # all but the required --out / --ckpt
+
+
+@pytest.mark.parametrize("command", [train, prepare, sample, export, plot], ids=lambda m: m.__name__)
+def test_a_mistyped_command_line_is_one_line_for_every_command(command, capsys):
+    code, out, err = run_main(command.main, ["--bogus", "x"], capsys)
+    assert code == 2 and err.startswith("fastpt: error: command line: ") and err.count("\n") == 1, err
+    assert "usage:" not in out + err
