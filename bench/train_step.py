@@ -36,7 +36,8 @@ from bench import baseline
 from bench.common import REPO, env_info, fmt, markdown_table, matmul_tflops, rss_gib, sync, write_json
 from fastpt import float8
 from fastpt.config import CUDA_GRAPH_MODES, PRESETS, TrainConfig, model_config
-from fastpt.data import TrainLoader, Windows, data_vocab, find_shards, write_shard
+from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
+from fastpt.shards import write_shard
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
 from fastpt.metrics import peak_flops, peak_mem_gib

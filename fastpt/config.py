@@ -273,6 +273,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         # next micro-step's replay (pytorch/pytorch#169545): accumulated gradients would be wrong.
         raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
                           f"got {cfg.grad_accum}: raise micro_batch instead")
+    if cfg.parallel == "fsdp" and cfg.dtype == "fp16":
+        raise ConfigError("'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
+                          "would check only this rank's gradient shards for overflow")
     profile_steps(cfg)
     if not cfg.init_from:  # a shape that cannot work fails now, not after the data is prepared
         dataclasses.replace(PRESETS[cfg.preset], **shape_keys(cfg)).check()

@@ -14,9 +14,7 @@ import numpy as np
 import torch
 
 from fastpt.errors import DataError
-# the shard format lives in fastpt.shards (numpy only, for the prepare workers); write_shard and
-# read_shard stay importable from here
-from fastpt.shards import INCOMPLETE, MAX_VOCAB, read_shard, shard_vocab, write_shard  # noqa: F401
+from fastpt.shards import INCOMPLETE, MAX_VOCAB, read_shard, shard_vocab
 from fastpt.tokenizer import load_tokenizer, read_nanogpt_meta
 
 GPT2_VOCAB = 50257  # what nanoGPT assumes for headerless data without a meta.pkl

@@ -63,9 +63,6 @@ def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype,
     fully_shard works in place, so under FSDP the model itself is returned.
     """
     sharded = d.enabled and parallel == "fsdp"
-    if parallel == "fsdp" and dtype == torch.float16:
-        raise ConfigError("'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
-                          "would check only this rank's gradient shards for overflow")
     if sharded and compile_mode in CUDA_GRAPH_MODES:
         raise ConfigError(f"'compile_mode' = {compile_mode!r} uses CUDA graphs, which FSDP's per-step "
                           "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'")

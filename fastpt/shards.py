@@ -38,9 +38,10 @@ def _header(dtype: np.dtype, count: int, vocab_size: int) -> bytes:
 
 
 def write_shard(path: str | Path, tokens, vocab_size: int = 0) -> Path:
-    """Write tokens as an llm.c shard: uint16 when every id fits, else uint32."""
+    """Write tokens as an llm.c shard: uint16 when every id of the vocab (or, vocab 0 = unknown,
+    every id given) fits, else uint32."""
     tokens = np.asarray(tokens)
-    dtype = np.dtype("<u4" if tokens.size and int(tokens.max()) >= 2**16 else "<u2")
+    dtype = token_dtype(vocab_size or (int(tokens.max()) + 1 if tokens.size else 1))
     path = Path(path)
     with open(path, "wb") as f:
         f.write(_header(dtype, tokens.size, vocab_size))

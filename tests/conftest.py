@@ -52,6 +52,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 TINY = ("--device", "cpu", "--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4")
 
 
+def assert_one_line_error(code: int, err: str, *named: str, expected_code: int = 2) -> None:
+    """A user's mistake (or a Ctrl-C, exit 130): the exit code and one `fastpt: error:` line naming
+    what is wrong, no traceback (progress bars or warnings printed before it may stay)."""
+    errors = [line for line in err.splitlines() if line.startswith("fastpt: error: ")]
+    assert code == expected_code and len(errors) == 1 and err.endswith(errors[0] + "\n") and "Traceback" not in err, err
+    assert all(n in errors[0] for n in named), errors[0]
+
+
 def run_main(main, args: list[str], capsys) -> tuple[int, str, str]:
     """A command's main in this process, as its `python -m` entry runs it: (exit code, stdout, stderr)."""
     from fastpt.errors import run_command
@@ -60,3 +68,11 @@ def run_main(main, args: list[str], capsys) -> tuple[int, str, str]:
         run_command(lambda: main(args))
     out, err = capsys.readouterr()
     return exit_info.value.code, out, err
+
+
+def train_refuses(capsys, argv: list[str], *named: str) -> None:
+    """fastpt.train with argv stops at a user's mistake: one error line naming `named`."""
+    from fastpt import train
+
+    code, _, err = run_main(train.main, argv, capsys)
+    assert_one_line_error(code, err, *named)

@@ -11,9 +11,10 @@ import torch.nn as nn
 from conftest import TINY, read_metrics, run_main, run_train
 from fastpt import train
 from fastpt.config import PRESET_BATCH, PRESETS, ConfigError, TrainConfig, load_toml, model_config, resolve, to_toml
-from fastpt.data import DataError, TrainLoader, Windows, read_shard, write_shard
+from fastpt.data import DataError, TrainLoader, Windows
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at, param_groups
+from fastpt.shards import read_shard, write_shard
 
 
 def seed_lr(step, peak_lr, n_warmup, n_total, min_ratio=0.1):

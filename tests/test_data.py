@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import REPO, TINY, run_main, run_train
+from conftest import REPO, TINY, assert_one_line_error, run_main, run_train
 from fastpt import prepare, sample, train
-from fastpt.data import data_vocab, find_shards, read_shard, write_shard
+from fastpt.data import data_vocab, find_shards
+from fastpt.shards import read_shard, write_shard
 from fastpt.sources import parse_hub_spec
 from fastpt.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
 
@@ -39,12 +40,6 @@ def split_docs(tokens: np.ndarray, eot: int) -> list[np.ndarray]:
     """Documents of a token stream where each one starts with the end-of-text token."""
     assert tokens[0] == eot
     return [d[1:] for d in np.split(tokens, np.flatnonzero(tokens == eot))[1:]]
-
-
-def assert_one_line_error(err: str, *named: str) -> None:
-    lines = [line for line in err.splitlines() if line.startswith("fastpt: error:")]
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert all(n in lines[0] for n in named), lines[0]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 400) -> Tokenizer:
@@ -192,12 +187,12 @@ def test_out_is_never_a_users_folder_and_replacing_a_dataset_needs_overwrite(tmp
     argv = [str(tmp_path / "input.txt"), "--tokenizer", "bytes", "--workers", "1", "--out"]
     code, _, err = run_main(prepare.main, argv + [str(notes)], capsys)
     assert code == 2 and (notes / "todo.txt").read_text() == "my notes" and os.listdir(notes) == ["todo.txt"]
-    assert_one_line_error(err, str(notes), "nothing deleted")
+    assert_one_line_error(code, err, str(notes), "nothing deleted")
 
     assert run_main(prepare.main, argv + [str(tmp_path / "data")], capsys)[0] == 0
     code, _, err = run_main(prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char"], capsys)
     assert code == 2 and load_tokenizer(tmp_path / "data").vocab_size == 257
-    assert_one_line_error(err, str(tmp_path / "data"), "--overwrite")
+    assert_one_line_error(code, err, str(tmp_path / "data"), "--overwrite")
     assert run_main(prepare.main, argv + [str(tmp_path / "data"), "--tokenizer", "char", "--overwrite"], capsys)[0] == 0
     assert isinstance(load_tokenizer(tmp_path / "data"), CharTokenizer)
     assert sorted(os.listdir(tmp_path)) == ["data", "input.txt", "notes"]  # no temporary folder left
@@ -230,8 +225,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_no_temporary_folder(tmp_path,
     proc = start_prepare(*slow_corpus, tmp_path / "data", workers=2)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the workers too
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    assert_one_line_error(err, "interrupted")
+    assert_one_line_error(proc.returncode, err, "interrupted", expected_code=130)
     assert os.listdir(tmp_path) == []
 
 
@@ -240,8 +234,7 @@ def test_a_second_prepare_on_the_same_out_is_refused_and_a_killed_one_leaves_no_
     first = start_prepare(*slow_corpus, out, workers=1)
     try:
         code, _, err = run_main(prepare.main, [str(slow_corpus[0]), "--out", str(out), "--tokenizer", "bytes"], capsys)
-        assert code == 2
-        assert_one_line_error(err, str(out), "another fastpt.prepare")
+        assert_one_line_error(code, err, str(out), "another fastpt.prepare")
     finally:
         first.kill()
         first.communicate()
@@ -293,8 +286,7 @@ def test_prepare_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys):
     setup(tmp_path / "f")
     argv = [a.replace("FILE", str(tmp_path / "f")) for a in argv]
     code, _, err = run_main(prepare.main, argv + ([] if "--out" in argv else ["--out", str(tmp_path / "out")]), capsys)
-    assert code == 2
-    assert_one_line_error(err, named.replace("FILE", str(tmp_path / "f")))
+    assert_one_line_error(code, err, named.replace("FILE", str(tmp_path / "f")))
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.prepare-tmp").exists()
 
 
@@ -350,8 +342,7 @@ def test_train_data_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys
     edit(folder)
     code, _, err = run_main(train.main, [*TINY, "--data", data.format(d=folder), "--out", str(tmp_path / "run"),
                                          "--max-steps", "1", *extra], capsys)
-    assert code == 2
-    assert_one_line_error(err, named.format(d=folder))
+    assert_one_line_error(code, err, named.format(d=folder))
 
 
 def few_stdlib_files(count: int = 12) -> list[Path]:
@@ -378,4 +369,4 @@ def test_a_shape_that_cannot_work_is_refused_before_the_default_corpus_is_prepar
     monkeypatch.setenv("FASTPT_CACHE", str(tmp_path / "cache"))
     code, _, err = run_main(train.main, [*TINY, "--n-heads", "3", "--out", str(tmp_path / "run")], capsys)
     assert code == 2 and not (tmp_path / "cache").exists()
-    assert_one_line_error(err, "'dim' = 128 is not divisible by 'n_heads' = 3")
+    assert_one_line_error(code, err, "'dim' = 128 is not divisible by 'n_heads' = 3")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, read_metrics, run_main, run_train
+from conftest import TINY, assert_one_line_error, read_metrics, run_main, run_train
 from fastpt import export, hf, prepare, sample, train
 from fastpt.config import PRESETS, ModelConfig
 from fastpt.data import TrainLoader, Windows, find_shards
@@ -36,11 +36,6 @@ def randomize_norms(model: torch.nn.Module) -> None:
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids)[0] if isinstance(model, Transformer) else model(ids).logits  # (B, T, V)
-
-
-def assert_one_line_error(code: int, err: str, *words: str) -> None:
-    assert code == 2 and err.startswith("fastpt: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err and all(w in err for w in words), err
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_metrics, run_main, run_train
+from conftest import REPO, TINY, read_metrics, run_train, train_refuses
 from fastpt import checkpoint, metrics
-from fastpt.data import write_shard
-from fastpt.train import main
+from fastpt.shards import write_shard
 
 FAULTY_TRAIN = r"""
 import os, resource, signal, sys, torch
@@ -262,13 +261,6 @@ BAD_ARGS = {
 }
 
 
-def fails_with(capsys, argv: list[str], expected: str) -> None:
-    code, _, err = run_main(main, argv, capsys)
-    assert code == 2
-    assert err.startswith("fastpt: error: ") and err.count("\n") == 1, err
-    assert expected in err
-
-
 def base_args(data: Path, out: Path) -> list[str]:
     return [*TINY, "--data", str(data), "--out", str(out), "--max-steps", "10"]
 
@@ -279,18 +271,18 @@ def test_bad_shard_is_reported_with_its_file(case, tiny_data, tmp_path, capsys):
     data = tmp_path / "data"
     shutil.copytree(tiny_data, data, ignore=shutil.ignore_patterns(".*"))  # without the token-id caches
     edit(data / "train_000000.bin")
-    fails_with(capsys, base_args(data, tmp_path / "run"), f"{data / 'train_000000.bin'}: {expected}")
+    train_refuses(capsys, base_args(data, tmp_path / "run"), f"{data / 'train_000000.bin'}: {expected}")
 
 
 @pytest.mark.parametrize("case", BAD_ARGS)
 def test_bad_argument_is_one_line(case, tiny_data, tmp_path, capsys):
     extra, expected = BAD_ARGS[case]
-    fails_with(capsys, base_args(tiny_data, tmp_path) + extra, expected)
+    train_refuses(capsys, base_args(tiny_data, tmp_path) + extra, expected)
 
 
 def test_triton_kernels_without_a_gpu_or_the_interpreter(tiny_data, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    fails_with(capsys, base_args(tiny_data, tmp_path) + ["--kernels", "triton"],
+    train_refuses(capsys, base_args(tiny_data, tmp_path) + ["--kernels", "triton"],
                "'kernels' = 'triton' cannot run here")
 
 
@@ -308,32 +300,32 @@ def test_bad_config_file_is_one_line(case, tiny_data, tmp_path, capsys):
     text, expected = BAD_TOML[case]
     config = tmp_path / "run.toml"
     config.write_bytes(text.encode("latin-1"))
-    fails_with(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(config)], expected)
-    fails_with(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(tmp_path / "missing.toml")],
+    train_refuses(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(config)], expected)
+    train_refuses(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(tmp_path / "missing.toml")],
                f"config file not found: {tmp_path / 'missing.toml'}")
 
 
 def test_missing_or_empty_data_folder(tmp_path, capsys):
-    fails_with(capsys, base_args(tmp_path / "nope", tmp_path / "run"),
+    train_refuses(capsys, base_args(tmp_path / "nope", tmp_path / "run"),
                f"data folder {tmp_path / 'nope'} does not exist")
     (tmp_path / "empty").mkdir()
-    fails_with(capsys, base_args(tmp_path / "empty", tmp_path / "run"),
+    train_refuses(capsys, base_args(tmp_path / "empty", tmp_path / "run"),
                f"data folder {tmp_path / 'empty'} has no *train_*.bin files")
 
 
 def test_unusable_run_folder(tiny_data, tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    fails_with(capsys, base_args(tiny_data, tmp_path / "file" / "run"),
+    train_refuses(capsys, base_args(tiny_data, tmp_path / "file" / "run"),
                f"'out' = '{tmp_path / 'file' / 'run'}': cannot write the run folder (Not a directory)")
     (tmp_path / "ckpt_00000004.pt").write_bytes(b"not a checkpoint")
-    fails_with(capsys, base_args(tiny_data, tmp_path),
+    train_refuses(capsys, base_args(tiny_data, tmp_path),
                "already holds a run (newest checkpoint ckpt_00000004.pt): add --resume to continue it")
-    fails_with(capsys, base_args(tiny_data, tmp_path) + ["--resume"],
+    train_refuses(capsys, base_args(tiny_data, tmp_path) + ["--resume"],
                f"no checkpoint in {tmp_path} loads; newest: could not read checkpoint {tmp_path / 'ckpt_00000004.pt'}")
 
 
 def test_resume_with_another_model_names_the_difference(reference, tiny_data, capsys):
-    fails_with(capsys, base_args(tiny_data, reference) + ["--resume", "--n-layers", "3", "--no-tie-embeddings"],
+    train_refuses(capsys, base_args(tiny_data, reference) + ["--resume", "--n-layers", "3", "--no-tie-embeddings"],
                "ckpt_00000010.pt was written for another model (n_layers 2 != 3, tie_embeddings True != False)")
 
 
@@ -358,7 +350,7 @@ def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(reference
 
 def test_a_fresh_run_never_erases_an_earlier_runs_metrics(tiny_data, tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-    fails_with(capsys, base_args(tiny_data, tmp_path),
+    train_refuses(capsys, base_args(tiny_data, tmp_path),
                f"{tmp_path} holds an earlier run's metrics.jsonl (and no checkpoint): add --resume")
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
 

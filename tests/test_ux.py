@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_metrics, run_main, run_train
+from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train
 from fastpt import checkpoint, export, plot, prepare, sample, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import MissingPackage
@@ -134,8 +134,7 @@ def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsy
 def test_sample_mistakes_are_one_line(run_dir, tmp_path, capsys, args, named):
     args = [a.replace("RUN", str(run_dir)).replace("EMPTY", str(tmp_path)) for a in args]
     code, _, err = run_main(sample.main, ["--ckpt", str(run_dir), "--device", "cpu", *args], capsys)
-    assert code == 2 and err.startswith("fastpt: error: ") and err.count("\n") == 1, err
-    assert named in err
+    assert_one_line_error(code, err, named)
 
 
 def test_plot_writes_a_png(run_dir):
@@ -201,5 +200,5 @@ def test_every_command_help_lists_its_options(module, options, capsys):
 @pytest.mark.parametrize("command", [train, prepare, sample, export, plot], ids=lambda m: m.__name__)
 def test_a_mistyped_command_line_is_one_line_for_every_command(command, capsys):
     code, out, err = run_main(command.main, ["--bogus", "x"], capsys)
-    assert code == 2 and err.startswith("fastpt: error: command line: ") and err.count("\n") == 1, err
+    assert_one_line_error(code, err, "command line: ")
     assert "usage:" not in out + err
