@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from fastpt.errors import CheckpointError
 from fastpt.files import fsync_dir, write_atomic
 
-__all__ = ["CheckpointError", "checkpoints", "latest", "load", "load_state", "restore", "save", "state_of"]
+__all__ = ["checkpoints", "find", "latest", "load", "load_state", "restore", "save", "state_of", "tokenizer_of"]
 
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 STATE_FILE = "state.pt"
@@ -109,6 +109,27 @@ def io_reason(e: BaseException) -> str:
     if isinstance(os_error, OSError) and os_error.strerror:
         return os_error.strerror
     return str(e)
+
+
+def find(path: Path) -> Path:
+    """A checkpoint file or FSDP shard directory as given; of a run folder, its newest checkpoint."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if path.is_file() or NAME.match(path.name):
+        return path
+    found = latest(path)
+    if found is None:
+        raise CheckpointError(f"no checkpoint in {path} (train with --out {path} first)")
+    return found
+
+
+def tokenizer_of(path: Path, ckpt: dict) -> Path | None:
+    """The tokenizer.json of the run that wrote checkpoint `path`: the run folder's own copy, else
+    the one in the data folder it trained on; None when neither exists."""
+    candidates = [path.parent / "tokenizer.json"]
+    if data := ckpt.get("train_config", {}).get("data"):
+        candidates.append(Path(data) / "tokenizer.json")
+    return next((p for p in candidates if p.is_file()), None)
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from fastpt import hf
+from fastpt import checkpoint, hf
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
-from fastpt.sample import find_checkpoint, find_tokenizer, load_model, pick_tokenizer
-from fastpt.tokenizer import load_tokenizer
+from fastpt.model import Transformer
+from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,10 +58,10 @@ def export(source: str | Path, out: str | Path, dtype: str = "fp32", max_shard_s
     """Export the checkpoint at `source` (a file, an FSDP directory, or a run folder's newest) to
     the Hugging Face folder `out`; returns the checkpoint's path."""
     out, shard_bytes = Path(out), hf.parse_size(max_shard_size)
-    ckpt_path = find_checkpoint(Path(source))
+    ckpt_path = checkpoint.find(Path(source))
     check_out(out, ckpt_path, overwrite)
-    model, ckpt = load_model(ckpt_path, torch.device("cpu"))
-    tokenizer_json = pick_tokenizer(tokenizer, find_tokenizer(ckpt_path, ckpt.get("train_config", {})))
+    model, ckpt = Transformer.from_checkpoint(ckpt_path, torch.device("cpu"))
+    tokenizer_json = pick_tokenizer_path(tokenizer, checkpoint.tokenizer_of(ckpt_path, ckpt))
     tok, doc_id = export_tokenizer(tokenizer_json, model.cfg.vocab_size, ckpt_path)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import kernels
+from fastpt import checkpoint
 from fastpt.config import ModelConfig
 
 if not getattr(kernels, "__fastpt_kernels__", False):
@@ -142,6 +144,16 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
+
+    @classmethod
+    def from_checkpoint(cls, path: Path, device: torch.device) -> tuple[Transformer, dict]:
+        """The model of a checkpoint (a file, or an FSDP shard directory gathered whole) in eval
+        mode, and the checkpoint. Kernels follow this device ("auto"): a run that forced Triton on
+        a GPU still samples on a CPU."""
+        ckpt = checkpoint.load(path, device)
+        model = cls(ModelConfig.from_dict(ckpt["model_config"])).to(device)
+        checkpoint.load_state(path, ckpt, model)
+        return model.eval(), ckpt
 
     def reset_parameters(self) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers)."""

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from fastpt import checkpoint, hf
-from fastpt.config import FIELDS, NON_NEGATIVE, POSITIVE, ModelConfig
-from fastpt.errors import ArgumentParser, CheckpointError, ConfigError, DataError, run_command
+from fastpt.config import FIELDS, NON_NEGATIVE, POSITIVE
+from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.model import Transformer
-from fastpt.tokenizer import load_tokenizer
+from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int) -> int:
@@ -48,35 +48,6 @@ def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperatur
     return out
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A checkpoint file or FSDP shard directory as given; of a run folder, its newest checkpoint."""
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder")
-    if path.is_file() or checkpoint.NAME.match(path.name):
-        return path
-    found = checkpoint.latest(path)
-    if found is None:
-        raise CheckpointError(f"no checkpoint in {path} (train with --out {path} first)")
-    return found
-
-
-def find_tokenizer(ckpt_path: Path, train_config: dict) -> Path | None:
-    """The run's own copy of tokenizer.json, else the one in the data folder it trained on."""
-    candidates = [ckpt_path.parent / "tokenizer.json"]
-    if train_config.get("data"):
-        candidates.append(Path(train_config["data"]) / "tokenizer.json")
-    return next((p for p in candidates if p.is_file()), None)
-
-
-def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
-    """The model of a checkpoint (a file, or an FSDP shard directory gathered whole) and its state.
-    Kernels follow this device ("auto"): a run that forced Triton on a GPU still samples on a CPU."""
-    ckpt = checkpoint.load(path, device)
-    model = Transformer(ModelConfig.from_dict(ckpt["model_config"])).to(device)
-    checkpoint.load_state(path, ckpt, model)
-    return model.eval(), ckpt
-
-
 def load_hf_model(hf_dir: Path, device: torch.device) -> Transformer:
     """The model of a Hugging Face Llama folder (one that fastpt.export wrote, or any it can import)."""
     cfg, state = hf.load_hf(hf_dir)
@@ -91,21 +62,10 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
     if hf.is_hf_dir(path):
         model = load_hf_model(path, device)
         return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face Llama, {model.num_params():,} params"
-    ckpt_path = find_checkpoint(path)
-    model, ckpt = load_model(ckpt_path, device)
+    ckpt_path = checkpoint.find(path)
+    model, ckpt = Transformer.from_checkpoint(ckpt_path, device)
     about = f"{ckpt_path}: step {ckpt['step']}, {model.num_params():,} params"
-    return model, find_tokenizer(ckpt_path, ckpt.get("train_config", {})), about
-
-
-def pick_tokenizer(given: str | Path | None, found: Path | None) -> Path | None:
-    """The --tokenizer file (or the tokenizer.json in a --tokenizer folder) when one is given, else
-    the one found beside the model."""
-    if not given:
-        return found
-    path = Path(given) / "tokenizer.json" if Path(given).is_dir() else Path(given)
-    if not path.is_file():
-        raise DataError(f"'--tokenizer' {path}: no such file")
-    return path
+    return model, checkpoint.tokenizer_of(ckpt_path, ckpt), about
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -141,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, found, about = open_model(Path(args.ckpt), device)
-    tokenizer_path = pick_tokenizer(args.tokenizer, found)
+    tokenizer_path = pick_tokenizer_path(args.tokenizer, found)
     if tokenizer_path is None:
         raise DataError(f"no tokenizer.json beside {args.ckpt} or in its data folder; pass --tokenizer FILE "
                         "(a tokenizer.json from fastpt.prepare or Hugging Face)")

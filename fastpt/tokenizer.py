@@ -156,6 +156,16 @@ def build_tokenizer(spec: str, vocab_size: int, sample: Callable[[], Iterable[st
     return load_tokenizer(spec)
 
 
+def pick_tokenizer_path(given: str | Path | None, found: Path | None) -> Path | None:
+    """The tokenizer.json a command was given (a file, or a folder holding one), else `found`."""
+    if not given:
+        return found
+    path = Path(given) / "tokenizer.json" if Path(given).is_dir() else Path(given)
+    if not path.is_file():
+        raise DataError(f"'--tokenizer' {path}: no such file")
+    return path
+
+
 def load_tokenizer(path: str | Path):
     """Load any tokenizer.json that fastpt writes (every kind above) or a Hugging Face tokenizer.json;
     a folder means the tokenizer.json inside it."""

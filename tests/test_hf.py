@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY, assert_one_line_error, read_metrics, run_main, run_train
-from fastpt import export, hf, prepare, sample, train
+from fastpt import checkpoint, export, hf, prepare, sample, train
 from fastpt.config import PRESETS, ModelConfig
 from fastpt.data import TrainLoader, Windows, find_shards
 from fastpt.errors import CheckpointError, ConfigError
@@ -71,14 +71,14 @@ def test_transformers_computes_the_logits_of_an_export(tmp_path, n_kv_heads, tie
 
 
 def assert_export_computes_the_checkpoint(ckpt, folder) -> None:
-    ours, _ = sample.load_model(ckpt, torch.device("cpu"))
+    ours, _ = Transformer.from_checkpoint(ckpt, torch.device("cpu"))
     theirs = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 64))
     torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-4, rtol=0)
 
 
 def test_export_of_a_trained_run(run_dir, exported):
-    assert_export_computes_the_checkpoint(sample.find_checkpoint(run_dir), exported)
+    assert_export_computes_the_checkpoint(checkpoint.find(run_dir), exported)
     config = json.loads((exported / "config.json").read_text())
     eot = load_tokenizer(run_dir / "tokenizer.json").eot_id
     assert config["bos_token_id"] == config["eos_token_id"] == eot and config["torch_dtype"] == "float32"
@@ -90,7 +90,7 @@ def test_export_of_an_fsdp_checkpoint_directory(bpe_data, tmp_path):
     result = run_train("--data", str(bpe_data), "--out", str(run), *TINY, "--max-steps", "2", "--parallel", "fsdp",
                        nproc=2)
     assert result.returncode == 0, result.stderr
-    shards = sample.find_checkpoint(run)
+    shards = checkpoint.find(run)
     assert shards.is_dir()  # DCP shards from both ranks
     export.export(shards, tmp_path / "hf")
     assert_export_computes_the_checkpoint(shards, tmp_path / "hf")
@@ -235,7 +235,7 @@ def test_export_refuses_to_overwrite_unless_asked(run_dir, tmp_path, capsys):
                           "holds the checkpoint")
     assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out), "--max-shard-size", "lots"],
                                    capsys)[::2], "--max-shard-size")
-    code, _, err = run_main(export.main, [str(sample.find_checkpoint(run_dir)), "--out", str(out), "--overwrite",
+    code, _, err = run_main(export.main, [str(checkpoint.find(run_dir)), "--out", str(out), "--overwrite",
                                          "--dtype", "bf16"], capsys)
     assert code == 0, err
     assert not (out / "notes.txt").exists()

@@ -29,7 +29,7 @@ def run_dir(tiny_data, tmp_path_factory):
 
 
 def load_model(run_dir) -> Transformer:
-    return sample.load_model(checkpoint.latest(run_dir), torch.device("cpu"))[0]
+    return Transformer.from_checkpoint(checkpoint.latest(run_dir), torch.device("cpu"))[0]
 
 
 def greedy_without_cache(model: Transformer, ids: list[int], n: int) -> list[int]:
@@ -88,7 +88,7 @@ def test_a_checkpoint_of_an_older_release_samples(run_dir, tmp_path):
     ckpt = checkpoint.load(checkpoint.latest(run_dir))
     ckpt["model_config"]["kernels"] = "triton"
     torch.save(ckpt, tmp_path / "ckpt_00000005.pt")
-    model = sample.load_model(tmp_path / "ckpt_00000005.pt", torch.device("cpu"))[0]
+    model = Transformer.from_checkpoint(tmp_path / "ckpt_00000005.pt", torch.device("cpu"))[0]
     assert sample.generate(model, [256], 3, temperature=0) == sample.generate(load_model(run_dir), [256], 3, temperature=0)
 
 
