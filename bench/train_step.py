@@ -35,7 +35,7 @@ import torch
 from bench import baseline
 from bench.common import REPO, env_info, fmt, markdown_table, matmul_tflops, rss_gib, sync, write_json
 from fastpt import float8
-from fastpt.config import CUDA_GRAPH_MODES, PRESETS, TrainConfig, model_config
+from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig, model_config
 from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
 from fastpt.shards import write_shard
 from fastpt.distributed import Dist, parallelize
@@ -44,7 +44,7 @@ from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer
 from fastpt.profiling import compiled_graphs
-from fastpt.train import DTYPES, train_step
+from fastpt.train import train_step
 
 # (autotune, cudagraphs) -> torch.compile mode
 COMPILE_MODES = {(False, False): "default", (True, False): "max-autotune-no-cudagraphs",

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastpt.errors import ArgumentParser, ConfigError
 
 if sys.version_info >= (3, 11):
@@ -22,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "ModelConfig", "PRESETS", "TrainConfig", "model_config", "resolve"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype names
 
 
 @dataclass
@@ -182,7 +184,7 @@ class TrainConfig:
                                  "logged apart as z_loss; 0 = off", domain=NON_NEGATIVE)
     # speed
     dtype: str = setting("bf16", "autocast precision (fp16 uses a GradScaler, CUDA only)",
-                         choices=("bf16", "fp16", "fp32"))
+                         choices=tuple(DTYPES))
     compile: bool = setting(False, "torch.compile the model")
     compile_mode: str = setting("default", "torch.compile mode with --compile; reduce-overhead and max-autotune "
                                            "add CUDA graphs", choices=COMPILE_MODES)

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import kernels
-from fastpt import checkpoint
 from fastpt.config import ModelConfig
 
 if not getattr(kernels, "__fastpt_kernels__", False):
@@ -150,9 +149,11 @@ class Transformer(nn.Module):
         """The model of a checkpoint (a file, or an FSDP shard directory gathered whole) in eval
         mode, and the checkpoint. Kernels follow this device ("auto"): a run that forced Triton on
         a GPU still samples on a CPU."""
-        ckpt = checkpoint.load(path, device)
+        from fastpt import checkpoint as ckpt_io  # `checkpoint` here is activation checkpointing
+
+        ckpt = ckpt_io.load(path, device)
         model = cls(ModelConfig.from_dict(ckpt["model_config"])).to(device)
-        checkpoint.load_state(path, ckpt, model)
+        ckpt_io.load_state(path, ckpt, model)
         return model.eval(), ckpt
 
     def reset_parameters(self) -> None:

@@ -21,8 +21,8 @@ import torch.nn as nn
 
 import kernels
 from fastpt import checkpoint, distributed, float8
-from fastpt.config import (CUDA_GRAPH_MODES, PRESETS, ModelConfig, TrainConfig, model_config, parse_args,
-                           profile_steps, resolve, to_toml)
+from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
+                           parse_args, profile_steps, resolve, to_toml)
 from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
 from fastpt.errors import CheckpointError, ConfigError, run_command
 from fastpt.files import lock
@@ -32,8 +32,6 @@ from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at
 from fastpt.profiling import StepProbe
 from fastpt.tokenizer import copy_for_run
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass
