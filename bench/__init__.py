@@ -2,4 +2,5 @@
 
 python -m bench [--preset P] [--modes LIST] ...   train-step table (see bench/train_step.py)
 python -m bench kernels [--json PATH]             kernel table (see bench/kernel_table.py)
+python -m bench prepare [...]                     fastpt.prepare vs raw encode (see bench/prepare_bench.py)
 """

@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype,
 
 def shard(model: nn.Module, dtype: torch.dtype) -> None:
     """FSDP2: one all-gather / reduce-scatter unit per TransformerBlock, then the root (embedding,
-    tied head, final norm). bf16 runs compute in bf16 and reduce gradients in fp32."""
+    head, final norm). bf16 runs compute in bf16 and reduce gradients in fp32."""
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if dtype == torch.bfloat16 else MixedPrecisionPolicy())
     # The mesh on the model's device: FSDP's default is the accelerator, even for a gloo run on CPU.

@@ -1,4 +1,4 @@
-"""Llama-style decoder: RMSNorm, RoPE, causal SDPA attention (optional GQA), SwiGLU, tied head."""
+"""Llama-style decoder: RMSNorm, RoPE, causal SDPA attention (optional GQA), SwiGLU, tied or untied head."""
 from __future__ import annotations
 
 import math
