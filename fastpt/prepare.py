@@ -77,11 +77,14 @@ def lock_folder(path: Path, out: Path) -> int:
     while True:
         try:
             path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DataError(f"--out {out}: cannot create {path} ({e.strerror or e})") from None
+        try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
             continue  # its owner renamed it to --out just now
         except OSError as e:
-            raise DataError(f"--out {out}: cannot create {path} ({e.strerror or e})") from None
+            raise DataError(f"--out {out}: cannot open {path} ({e.strerror or e})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

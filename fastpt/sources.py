@@ -148,12 +148,22 @@ def _jsonl_docs(path: Path, field: str) -> Iterator[str | None]:
                 yield _field(record, field, f"{path}:{lineno}")
 
 
+TEXT_TYPES = ("string", "large_string", "string_view")  # Arrow's (and datasets') names of text columns
+
+
+def _check_text_column(type_name: str, field: str, where: str | Path) -> None:
+    if type_name not in TEXT_TYPES:
+        raise DataError(f"{where}: column {field!r} holds {type_name}, not text; choose the text column with "
+                        "--text-field")
+
+
 def _parquet_docs(path: Path, field: str) -> Iterator[str | None]:
     pq = require("pyarrow.parquet", f"reading {path}", "pyarrow")
     table = pq.ParquetFile(path)
     if field not in table.schema_arrow.names:
         raise DataError(f"{path}: no {field!r} column (it has {', '.join(table.schema_arrow.names)}); "
                         "choose the text column with --text-field")
+    _check_text_column(str(table.schema_arrow.field(field).type), field, path)
     for batch in table.iter_batches(batch_size=1024, columns=[field]):
         yield from batch.column(0).to_pylist()
 
@@ -162,6 +172,7 @@ def _dataset_docs(ds, field: str, where: str) -> Iterator[str | None]:
     if field not in ds.column_names:
         raise DataError(f"{where}: no {field!r} column (it has {', '.join(ds.column_names)}); "
                         "choose the text column with --text-field")
+    _check_text_column(getattr(ds.features[field], "dtype", type(ds.features[field]).__name__), field, where)
     for batch in ds.select_columns([field]).iter(batch_size=1024):
         yield from batch[field]
 

@@ -99,7 +99,8 @@ class TrainState:
 
 
 class Preemption:
-    """SIGTERM / SIGINT ask the loop to checkpoint after the current step and exit cleanly."""
+    """SIGTERM / SIGINT ask the loop to checkpoint after the current step and exit cleanly; a
+    second Ctrl-C does not wait for a step that takes too long (the last checkpoint stands)."""
 
     def __init__(self):
         self.requested = False
@@ -107,6 +108,8 @@ class Preemption:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
         self.requested = True
 
 

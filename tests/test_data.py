@@ -277,6 +277,11 @@ PREPARE_MISTAKES = {  # name -> (set up tmp_path, argv; FILE is tmp_path / "f"),
     "corrupt tokenizer": (lambda f: f.with_suffix(".json").write_text("{oops"),
                           [str(REPO / "README.md"), "--tokenizer", "FILE.json"], "FILE.json"),
     "no such input": (lambda f: None, ["FILE"], "FILE"),
+    "parquet ints": (lambda f: write_parquet(f.with_suffix(".parquet"), DOCS), ["FILE.parquet", "--text-field", "id"],
+                     "FILE.parquet: column 'id' holds int64, not text"),
+    "dataset lists": (lambda f: write_saved_dataset(f, [[d] for d in DOCS]), ["FILE"],
+                      "FILE: column 'text' holds List, not text"),
+    "--out in /proc": (lambda f: f.write_text("text"), ["FILE", "--out", "/proc/fastpt-out"], "/proc/fastpt-out"),
 }
 
 
