@@ -25,6 +25,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype names
+MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
+MAX_SEQ_LEN = 2**20
 
 
 @dataclass
@@ -82,6 +84,11 @@ class ModelConfig:
             raise ConfigError(f"'norm_eps' must be a finite number > 0, got {self.norm_eps}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ConfigError(f"'rope_theta' must be a finite number > 0, got {self.rope_theta}")
+        if self.max_seq_len > MAX_SEQ_LEN:
+            raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
+        if self.num_params() > MAX_PARAMS:  # a typo (an extra zero or two), not a model to allocate
+            raise ConfigError(f"this shape has {self.num_params():,} parameters, beyond fastpt's {MAX_PARAMS:,}: "
+                              "check 'dim', 'n_layers', 'ffn_dim' and 'vocab_size'")
         return self
 
 
