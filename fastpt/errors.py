@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, TextIO
 
 USAGE_EXIT = 2  # a user's mistake, as argparse exits
 INTERRUPT_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -66,7 +66,25 @@ def run_command(main: Callable[[], int | None]) -> NoReturn:
     except KeyboardInterrupt:
         fail("interrupted")
         code = INTERRUPT_EXIT
+    except BrokenPipeError:  # `| head` has read all it wants: stop quietly, as Unix tools do
+        to_devnull(sys.stdout)
+        code = 1
     sys.exit(code)
+
+
+def to_devnull(stream: TextIO) -> None:
+    """Point a stream whose reader is gone at /dev/null, so later prints (and the exit's flush)
+    do not raise BrokenPipeError again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
+def print_or_drop(*args, **kwargs) -> None:
+    """print; when the stream's reader is gone (`| head`, a closed terminal), drop this and all
+    later output to it rather than stop the program: a training run outlives its log reader."""
+    try:
+        print(*args, **kwargs)
+    except BrokenPipeError:
+        to_devnull(kwargs.get("file") or sys.stdout)
 
 
 def _interrupt_hook(previous):

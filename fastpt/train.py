@@ -24,7 +24,7 @@ from fastpt import checkpoint, distributed, float8
 from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
                            parse_args, profile_steps, resolve, to_toml)
 from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
-from fastpt.errors import CheckpointError, ConfigError, run_command
+from fastpt.errors import CheckpointError, ConfigError, print_or_drop, run_command
 from fastpt.files import lock
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
@@ -194,7 +194,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     if device.type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     run_dir = Path(cfg.out)
-    log = print if d.is_main else (lambda *a, **k: None)
+    log = print_or_drop if d.is_main else (lambda *a, **k: None)
     if d.is_main:  # one trainer per run folder: a second one is refused before it touches anything
         try:
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -453,3 +453,17 @@ def test_ctrl_c_while_importing_is_one_line_and_exit_130(tiny_data, tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert err == "fastpt: error: interrupted\n"
+
+
+def test_a_run_outlives_the_reader_of_its_output(tiny_data, tmp_path):
+    """`python -m fastpt.train ... | head -3`: the pipe closes, the run goes on to its last step and
+    checkpoint, its metrics.jsonl whole, and exits 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "fastpt.train", *run_args(tiny_data, tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for _ in range(3):
+        proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
+    assert checkpoint.latest(tmp_path).name == "ckpt_00000010.pt"
+    assert [step for step, _ in losses(tmp_path)] == list(range(1, 11))
