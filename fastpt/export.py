@@ -23,14 +23,18 @@ from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 
 def check_out(out: Path, source: Path, overwrite: bool) -> None:
-    """Refuse an --out that would lose something: a file, a non-empty folder (unless --overwrite),
-    or a folder that holds the checkpoint being exported."""
+    """Refuse an --out that would lose something: a file, a folder that holds the checkpoint being
+    exported, a non-empty folder that is not a Hugging Face model, and one that is (without --overwrite)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"'--out' {out} is a file, not a folder")
     if out.is_dir() and source.resolve().is_relative_to(out.resolve()):
         raise ConfigError(f"'--out' {out} holds the checkpoint being exported; choose another folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"'--out' {out} exists and is not empty; pass --overwrite to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not hf.is_hf_dir(out):
+            raise ConfigError(f"'--out' {out} holds files that are not a Hugging Face model: nothing deleted; "
+                              "choose a new or empty folder")
+        if not overwrite:
+            raise ConfigError(f"'--out' {out} already holds a Hugging Face model; pass --overwrite to replace it")
 
 
 def export_tokenizer(path: Path | None, vocab_size: int, ckpt_path: Path):
@@ -57,7 +61,7 @@ def export(source: str | Path, out: str | Path, dtype: str = "fp32", max_shard_s
            tokenizer: str | Path | None = None, overwrite: bool = False) -> Path:
     """Export the checkpoint at `source` (a file, an FSDP directory, or a run folder's newest) to
     the Hugging Face folder `out`; returns the checkpoint's path."""
-    out, shard_bytes = Path(out), hf.parse_size(max_shard_size)
+    out, shard_bytes = Path(os.path.abspath(out)), hf.parse_size(max_shard_size)  # `.` has a name: its own
     ckpt_path = checkpoint.find(Path(source))
     check_out(out, ckpt_path, overwrite)
     model, ckpt = Transformer.from_checkpoint(ckpt_path, torch.device("cpu"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -226,19 +227,25 @@ def test_weights_that_do_not_match_the_config_are_refused_naming_the_tensor(tmp_
         hf.load_hf(tmp_path)
 
 
-def test_export_refuses_to_overwrite_unless_asked(run_dir, tmp_path, capsys):
-    out = tmp_path / "hf"
-    out.mkdir()
-    (out / "notes.txt").write_text("keep me")
-    assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out)], capsys)[::2], "--overwrite")
+def test_export_replaces_only_an_earlier_export_and_only_when_asked(run_dir, tmp_path, capsys, monkeypatch):
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    monkeypatch.chdir(notes)
+    for out in (str(notes), "."):  # not even with --overwrite: it is not a model folder
+        assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", out, "--overwrite"], capsys)[::2],
+                              "not a Hugging Face model: nothing deleted")
+    assert os.listdir(notes) == ["todo.txt"]
     assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(run_dir), "--overwrite"], capsys)[::2],
                           "holds the checkpoint")
+    out = tmp_path / "hf"
     assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out), "--max-shard-size", "lots"],
                                    capsys)[::2], "--max-shard-size")
+    assert run_main(export.main, [str(run_dir), "--out", str(out)], capsys)[0] == 0
+    assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out)], capsys)[::2], "--overwrite")
     code, _, err = run_main(export.main, [str(checkpoint.find(run_dir)), "--out", str(out), "--overwrite",
                                          "--dtype", "bf16"], capsys)
     assert code == 0, err
-    assert not (out / "notes.txt").exists()
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
 
