@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -219,6 +220,15 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
+def save_readable(st, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, with the permissions of any file this process writes (it makes its
+    files owner-only: a server account could not read the weights of a shared export)."""
+    st.save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors shards of at most max_shard_size bytes
     each (a larger tensor gets a shard of its own) with model.safetensors.index.json."""
@@ -233,12 +243,12 @@ def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: in
         shards[-1][name] = t
         size += nbytes
     if len(shards) == 1:
-        st.save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
+        save_readable(st, tensors, out / SINGLE_FILE)
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        st.save_file(shard, out / file, metadata={"format": "pt"})
+        save_readable(st, shard, out / file)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})

@@ -83,6 +83,8 @@ def test_export_of_a_trained_run(run_dir, exported):
     config = json.loads((exported / "config.json").read_text())
     eot = load_tokenizer(run_dir / "tokenizer.json").eot_id
     assert config["bos_token_id"] == config["eos_token_id"] == eot and config["torch_dtype"] == "float32"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in exported.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # readable alike (a server account)
 
 
 @pytest.mark.slow
