@@ -282,6 +282,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         # next micro-step's replay (pytorch/pytorch#169545): accumulated gradients would be wrong.
         raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
                           f"got {cfg.grad_accum}: raise micro_batch instead")
+    if not cfg.out.strip():  # an unset shell variable: the run would fill the current folder
+        raise ConfigError("'out' is empty: give the run folder (--out DIR)")
     if cfg.parallel == "fsdp" and cfg.dtype == "fp16":
         raise ConfigError("'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
                           "would check only this rank's gradient shards for overflow")

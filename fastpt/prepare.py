@@ -229,7 +229,8 @@ def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: i
     docs = nbytes = 0
     # a terminal gets a live bar; a log file one progress line every 30 s, not a redraw a second
     interval = 0.1 if sys.stderr.isatty() else 30
-    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024, mininterval=interval) as bar:
+    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024, mininterval=interval,
+              delay=0 if interval < 1 else interval) as bar:
         for tokens, n, d in encode_all(batches(documents(sources, text_field)), tokenizer_json, workers):
             writer.write(tokens)
             docs, nbytes = docs + d, nbytes + n
@@ -287,7 +288,7 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
     out = Path(os.path.abspath(out))  # `--out .` or `x/..` have a name to put the temporary folder beside
     check_options(tokenizer, vocab_size, val_fraction, workers, shard_tokens, tokenizer_sample_mb)
     check_out(out, overwrite)
-    sources = find_sources(inputs, hf_dataset)
+    sources = find_sources(inputs, hf_dataset, skip=out)
     workers = workers or all_cores()
     start = time.perf_counter()
     with staging(out) as tmp:

@@ -78,11 +78,11 @@ def _source(path: Path) -> Source:
     return Source(str(path), kind)
 
 
-def _walk(folder: Path) -> Iterator[Source]:
-    """Every file below a folder, sorted; hidden files and folders are skipped, and a saved
-    Hugging Face dataset inside it is one source."""
+def _walk(folder: Path, skip: Path | None) -> Iterator[Source]:
+    """Every file below a folder, sorted; hidden files and folders and the folder `skip` are
+    skipped, and a saved Hugging Face dataset inside it is one source."""
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not _same(Path(root, d), skip))
         for d in [d for d in dirs if _is_saved_dataset(Path(root, d))]:
             dirs.remove(d)
             yield Source(str(Path(root, d)), "saved")
@@ -91,16 +91,23 @@ def _walk(folder: Path) -> Iterator[Source]:
                 yield _source(Path(root, f))
 
 
-def find_sources(inputs: list[str | Path], hf_dataset: str | None = None) -> list[Source]:
-    """Files, folders and globs (in the order given; a folder's files sorted), plus a Hub dataset."""
+def _same(path: Path, other: Path | None) -> bool:
+    return other is not None and os.path.abspath(path) == os.path.abspath(other)
+
+
+def find_sources(inputs: list[str | Path], hf_dataset: str | None = None, skip: Path | None = None) -> list[Source]:
+    """Files, folders and globs (in the order given; a folder's files sorted), plus a Hub dataset.
+    Nothing inside `skip` (the output folder: an earlier dataset there is not text) is taken."""
     sources: list[Source] = []
     for item in map(str, inputs):
         paths = [Path(item)] if os.path.lexists(item) else [Path(m) for m in sorted(glob.glob(item, recursive=True))]
         if not paths:
             raise DataError(f"input {item} does not exist")
         for p in paths:
+            if skip is not None and Path(os.path.abspath(p)).is_relative_to(os.path.abspath(skip)):
+                continue
             if p.is_dir():
-                sources += [Source(str(p), "saved")] if _is_saved_dataset(p) else list(_walk(p))
+                sources += [Source(str(p), "saved")] if _is_saved_dataset(p) else list(_walk(p, skip))
             elif p.exists():
                 sources.append(_source(p))
             else:

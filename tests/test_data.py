@@ -375,3 +375,16 @@ def test_a_shape_that_cannot_work_is_refused_before_the_default_corpus_is_prepar
     code, _, err = run_main(train.main, [*TINY, "--n-heads", "3", "--out", str(tmp_path / "run")], capsys)
     assert code == 2 and not (tmp_path / "cache").exists()
     assert_one_line_error(code, err, "'dim' = 128 is not divisible by 'n_heads' = 3")
+
+
+def test_a_dataset_inside_its_input_folder_is_not_read_as_input(tmp_path, capsys):
+    """prepare corpus --out corpus/data, then again with --overwrite: the first dataset's shards are
+    not input the second time (nor under a glob), so both runs give the same tokens."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text(DOCS[-1])
+    out = tmp_path / "corpus" / "data"
+    for inputs in ([str(tmp_path / "corpus")], [str(tmp_path / "corpus" / "**")]):
+        code, _, err = run_main(prepare.main, inputs + ["--out", str(out), "--tokenizer", "bytes", "--workers", "1",
+                                                        "--overwrite"], capsys)
+        assert code == 0, err
+        assert len(stream(out)) == len(DOCS[-1].encode()) + 1  # the document and its end-of-text token

@@ -255,6 +255,7 @@ BAD_ARGS = {
     "kv heads do not divide heads": (["--n-kv-heads", "3"], "'n_heads' = 4 is not divisible by 'n_kv_heads' = 3"),
     "odd head dim": (["--dim", "100"], "head dim 25 (dim 100 / n_heads 4) must be even for RoPE"),
     "no layers": (["--n-layers", "0"], "'n_layers' must be > 0, got 0"),
+    "an empty out (unset variable)": (["--out", ""], "'out' is empty"),
     "a dim with zeros too many": (["--dim", "1000000000"], "parameters, beyond fastpt's 100,000,000,000"),
     "a sequence table too long": (["--max-seq-len", "10000000000"], "'max_seq_len' = 10,000,000,000 is beyond"),
     "vocab below the data's": (["--vocab-size", "100"], "'vocab_size' = 100 is smaller than the data's vocab (257)"),
