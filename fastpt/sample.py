@@ -31,8 +31,9 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int) -> int:
 
 @torch.no_grad()
 def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 200) -> list[int]:
-    """Return ids followed by max_new_tokens generated tokens (model may be torch.compile'd)."""
+             top_k: int = 200, vocab: int | None = None) -> list[int]:
+    """Return ids followed by max_new_tokens generated tokens (model may be torch.compile'd); ids
+    from `vocab` up (a preset's embedding rows beyond the tokenizer's) are never drawn."""
     device = model.output_weight.device
     window = model.cfg.max_seq_len
     out = list(ids)
@@ -44,7 +45,7 @@ def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperatur
             logits, _, cache = model(torch.tensor([context], device=device), kv_cache=[])
         else:
             logits, _, cache = model(torch.tensor([out[-1:]], device=device), kv_cache=cache)
-        out.append(pick(logits[0, -1], temperature, top_k))
+        out.append(pick(logits[0, -1, :vocab], temperature, top_k))
     return out
 
 
@@ -112,8 +113,8 @@ def run(args: argparse.Namespace) -> None:
     ids = ([tokenizer.eot_id] if tokenizer.eot_id is not None else []) + tokenizer.encode_batch([args.prompt])[0]
     if not ids:
         raise DataError(f"{tokenizer_path} has no token to start a document with; give --prompt")
-    if max(ids) >= model.cfg.vocab_size:
-        raise DataError(f"{tokenizer_path} gives token id {max(ids)}, beyond the model's vocab of "
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise DataError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab of "
                         f"{model.cfg.vocab_size}: not this model's tokenizer")
     torch.manual_seed(args.seed)
     # Every decode step has a new cache length: dynamic shapes compile once instead of once per length.
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> None:
     for i in range(args.num_samples):
         if i:
             print("-" * 40)
-        print(tokenizer.decode(generate(forward, ids, args.max_new_tokens, args.temperature, args.top_k)))
+        print(tokenizer.decode(generate(forward, ids, args.max_new_tokens, args.temperature, args.top_k,
+                                        tokenizer.vocab_size)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -97,6 +97,8 @@ def test_generation_continues_past_the_context_window():
     torch.manual_seed(0)
     out = sample.generate(model, [1, 2, 3], 40, temperature=1.0, top_k=10)
     assert len(out) == 43 and all(0 <= t < 50 for t in out)
+    # a preset's embedding may be wider than the tokenizer: ids it cannot decode are never drawn
+    assert all(t < 7 for t in sample.generate(model, [1, 2, 3], 40, temperature=2.0, top_k=0, vocab=7))
 
 
 @pytest.mark.slow
@@ -130,9 +132,12 @@ def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsy
     (["--ckpt", "no/such/run"], "no/such/run"),
     (["--ckpt", "EMPTY"], "no checkpoint in"),
     (["--ckpt", "RUN/config.toml"], "config.toml"),
+    (["--tokenizer", "BIG"], "has 1001 tokens, more than the model's vocab"),
 ])
 def test_sample_mistakes_are_one_line(run_dir, tmp_path, capsys, args, named):
-    args = [a.replace("RUN", str(run_dir)).replace("EMPTY", str(tmp_path)) for a in args]
+    big = tmp_path / "big.json"  # a tokenizer of another model: more ids than this one has
+    big.write_text(json.dumps({"type": "char", "chars": "".join(chr(0x4E00 + i) for i in range(1000)), "eot": True}))
+    args = [a.replace("RUN", str(run_dir)).replace("EMPTY", str(tmp_path)).replace("BIG", str(big)) for a in args]
     code, _, err = run_main(sample.main, ["--ckpt", str(run_dir), "--device", "cpu", *args], capsys)
     assert_one_line_error(code, err, named)
 
