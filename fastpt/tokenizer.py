@@ -233,6 +233,15 @@ def char_tokenizer_from_meta(meta: dict, path: Path) -> CharTokenizer:
         raise DataError(f"{path}: a char meta.pkl needs itos for every id below vocab_size (missing {e})") from None
 
 
+PROBE = "The quick brown fox, 1234 émigrés: def f(x):\n    return x ** 2  # 日本語\n"
+
+
+def same_tokenizer(a: Path, b: Path) -> bool:
+    """Whether two tokenizer files give text the same ids (same vocab size and ids on a probe)."""
+    ta, tb = load_tokenizer(a), load_tokenizer(b)
+    return ta.vocab_size == tb.vocab_size and ta.encode_batch([PROBE]) == tb.encode_batch([PROBE])
+
+
 def copy_for_run(data_dir: Path, run_dir: Path) -> None:
     """Write run_dir/tokenizer.json, what fastpt.sample needs to decode this data: the data's own
     tokenizer.json; the char vocabulary of nanoGPT's meta.pkl; or, for headerless nanoGPT data

@@ -31,7 +31,7 @@ from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_me
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer, lr_at
 from fastpt.profiling import StepProbe
-from fastpt.tokenizer import copy_for_run
+from fastpt.tokenizer import copy_for_run, same_tokenizer
 
 
 @dataclass
@@ -204,24 +204,28 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
 
     # ---- a Hugging Face model to continue from: its shape, weights (and tokenizer, see below)
     init = load_hf(cfg.init_from) if cfg.init_from else None  # (ModelConfig, fastpt-named state)
+    init_tokenizer = hf_tokenizer_path(cfg.init_from) if init else None
 
     # ---- data: memory-mapped shards, token ids checked against the vocab once
     data_dir = Path(cfg.data) if cfg.data else None
     if data_dir is None:
         from fastpt.prepare import default_corpus
         vocab_hint = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or 4096  # BPE size (tiny takes the data's)
-        tokenizer = hf_tokenizer_path(cfg.init_from) if init else None
-        if init and tokenizer is None:  # a BPE of our own would give its ids another meaning
+        if init and init_tokenizer is None:  # a BPE of our own would give its ids another meaning
             raise ConfigError(f"{cfg.init_from} has no tokenizer.json to prepare the default corpus with: "
                               "give --data prepared with the model's tokenizer")
         if d.is_main:  # prepared once, by rank 0; the others wait, then find it complete
-            default_corpus(vocab_hint, tokenizer)
+            default_corpus(vocab_hint, init_tokenizer)
         distributed.barrier(d)
-        data_dir = default_corpus(vocab_hint, tokenizer)
+        data_dir = default_corpus(vocab_hint, init_tokenizer)
     headerless = cfg.data_format == "nanogpt"
     train_shards = find_shards(data_dir, "train", cfg.data_format)
     val_shards = find_shards(data_dir, "val", cfg.data_format)
     vocab = data_vocab(data_dir, train_shards + val_shards, headerless)
+    data_tokenizer = data_dir / "tokenizer.json"
+    if d.is_main and init_tokenizer and data_tokenizer.is_file() and not same_tokenizer(init_tokenizer, data_tokenizer):
+        print(f"fastpt: warning: {data_dir} was not prepared with {init_tokenizer}: its ids mean other tokens "
+              f"to the model of --init-from (prepare it with --tokenizer {init_tokenizer})", file=sys.stderr)
     mcfg = model_config(cfg, vocab, init[0] if init else None)
     check_token_ids(train_shards + val_shards, mcfg.vocab_size, headerless)
     seq_len = cfg.seq_len or mcfg.max_seq_len

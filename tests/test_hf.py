@@ -271,16 +271,17 @@ def test_preset_parameter_counts():
 
 
 def test_init_from_without_data_prepares_the_default_corpus_with_the_models_tokenizer(
-        exported, tmp_path, monkeypatch, capsys):
+        exported, tiny_data, tmp_path, monkeypatch, capsys):
     """The HF folder's own tokenizer.json prepares the default corpus, so the ids mean what the
-    weights learned; a folder without one is refused rather than trained on another tokenizer's ids."""
+    weights learned; a folder without one is refused rather than trained on another tokenizer's ids,
+    and data of another tokenizer is a warning."""
     from test_data import few_stdlib_files
 
     monkeypatch.setenv("FASTPT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(prepare, "stdlib_sources", few_stdlib_files)
     args = ["--device", "cpu", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4", "--max-steps", "2"]
     code, out, err = run_main(train.main, args + ["--init-from", str(exported), "--out", str(tmp_path / "run")], capsys)
-    assert code == 0 and "preparing the default corpus" in out, err
+    assert code == 0 and "preparing the default corpus" in out and "warning" not in err, err
     (corpus,) = (tmp_path / "cache").iterdir()
     assert json.loads((corpus / "meta.json").read_text())["tokenizer"] == str(exported / "tokenizer.json")
     assert (tmp_path / "run" / "tokenizer.json").read_bytes() == (exported / "tokenizer.json").read_bytes()
@@ -291,3 +292,7 @@ def test_init_from_without_data_prepares_the_default_corpus_with_the_models_toke
         (bare / name).write_bytes((exported / name).read_bytes())
     code, _, err = run_main(train.main, args + ["--init-from", str(bare), "--out", str(tmp_path / "other")], capsys)
     assert_one_line_error(code, err, str(bare), "tokenizer.json", "--data")
+
+    code, _, err = run_main(train.main, args + ["--init-from", str(exported), "--data", str(tiny_data),
+                                                "--out", str(tmp_path / "bytes")], capsys)
+    assert code == 0 and f"fastpt: warning: {tiny_data} was not prepared with {exported / 'tokenizer.json'}" in err
