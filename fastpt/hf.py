@@ -200,6 +200,8 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The ModelConfig and fastpt-named fp32 state dict of a local LlamaForCausalLM folder
     (config.json + model.safetensors, or shards with model.safetensors.index.json)."""
     hf_dir = Path(hf_dir)
+    if hf_dir.is_file():
+        raise ConfigError(f"{hf_dir} is a file: give the Hugging Face model folder that holds it")
     if not is_hf_dir(hf_dir):
         raise ConfigError(f"{hf_dir}: not a Hugging Face model folder (no config.json)")
     cfg = from_hf_config(read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))

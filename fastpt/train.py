@@ -24,7 +24,7 @@ from fastpt import checkpoint, distributed, float8
 from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
                            parse_args, profile_steps, resolve, to_toml)
 from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
-from fastpt.errors import CheckpointError, ConfigError, print_or_drop, run_command
+from fastpt.errors import CheckpointError, ConfigError, DataError, print_or_drop, run_command
 from fastpt.files import lock
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
@@ -259,7 +259,10 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                               "resume with the same preset, shape keys and data")
         checkpoint.load_state(path, ckpt, raw_model, optimizer)  # any layout, any world size
         scaler.load_state_dict(ckpt["scaler"])
-        loader.load_state_dict(ckpt["loader"])
+        try:
+            loader.load_state_dict(ckpt["loader"])
+        except DataError as e:  # say which checkpoint does not fit the data and batch given now
+            raise DataError(f"{path}: {e}") from None
         set_rng_state(ckpt["rng"])
         state.load_state_dict(ckpt.get("train_state", ckpt))
 
