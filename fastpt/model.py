@@ -90,12 +90,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: str, checkpointed: bool = False):
+    def __init__(self, cfg: ModelConfig, backend: str, checkpointed: bool = False):
         super().__init__()
         self.checkpointed = checkpointed  # recompute the activations in the backward instead of keeping them
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x, cos, sin, cache=None):
@@ -121,23 +121,23 @@ CHECKPOINTED_BLOCKS = {
 
 
 class Transformer(nn.Module):
-    """The model of a ModelConfig. Three training choices that checkpoints do not record: `kernels`
+    """The model of a ModelConfig. Three training choices that checkpoints do not record: `backend`
     (auto | triton | torch) picks how its RMSNorms and loss run; `z_loss` adds PaLM's
     z_loss * logsumexp^2 stabilizer to the loss; `activation_checkpointing` (none | full |
     selective, see CHECKPOINTED_BLOCKS) trades a recomputed forward for activation memory."""
 
-    def __init__(self, cfg: ModelConfig, kernels: str = "auto", z_loss: float = 0.0,
+    def __init__(self, cfg: ModelConfig, backend: str = "auto", z_loss: float = 0.0,
                  activation_checkpointing: str = "none"):
         super().__init__()
         cfg.check()
         if activation_checkpointing not in CHECKPOINTED_BLOCKS:
             raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTED_BLOCKS)}, "
                              f"got {activation_checkpointing!r}")
-        self.cfg, self.kernel_backend, self.z_loss = cfg, kernels, z_loss
+        self.cfg, self.backend, self.z_loss = cfg, backend, z_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         checkpointed = CHECKPOINTED_BLOCKS[activation_checkpointing]
-        self.layers = nn.ModuleList(TransformerBlock(cfg, kernels, checkpointed(i)) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, kernels)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, backend, checkpointed(i)) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -192,7 +192,7 @@ class Transformer(nn.Module):
             # The fused kernel never materializes the (B*T, V) logits.
             loss = kernels.linear_cross_entropy(
                 h.flatten(0, 1), self.output_weight, labels.flatten(), z_loss=self.z_loss,
-                return_z_loss=self.z_loss > 0, backend=self.kernel_backend,
+                return_z_loss=self.z_loss > 0, backend=self.backend,
             )
             return (None, *loss) if self.z_loss else (None, loss, None)
         logits = F.linear(h, self.output_weight)  # (B, T, V)
