@@ -44,7 +44,7 @@ class StepResult:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               loader: TrainLoader, grad_accum: int, autocast, max_grad_norm: float,
+               loader: TrainLoader, grad_accum: int, autocast: torch.autocast, max_grad_norm: float,
                d: distributed.Dist = distributed.Dist(), skip_nonfinite: bool = False) -> StepResult:
     """One optimizer step: grad_accum micro-batches, each loss / grad_accum so the accumulated
     gradient averages like one large batch (DDP / FSDP sync only on the last), then unscale (fp16),
@@ -170,7 +170,8 @@ def fmt_duration(seconds: float) -> str:
 
 
 @torch.no_grad()
-def evaluate(model, windows: Windows, cfg: TrainConfig, device, autocast, d) -> float:
+def evaluate(model: nn.Module, windows: Windows, cfg: TrainConfig, device: torch.device, autocast: torch.autocast,
+             d: distributed.Dist) -> float:
     model.eval()
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
