@@ -270,6 +270,7 @@ def test_preset_parameter_counts():
             assert Transformer(cfg).num_params() == cfg.num_params(), name
 
 
+@pytest.mark.slow
 def test_init_from_without_data_prepares_the_default_corpus_with_the_models_tokenizer(
         exported, tiny_data, tmp_path, monkeypatch, capsys):
     """The HF folder's own tokenizer.json prepares the default corpus, so the ids mean what the

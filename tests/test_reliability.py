@@ -456,6 +456,7 @@ def test_ctrl_c_while_importing_is_one_line_and_exit_130(tiny_data, tmp_path):
     assert err == "fastpt: error: interrupted\n"
 
 
+@pytest.mark.slow
 def test_a_run_outlives_the_reader_of_its_output(tiny_data, tmp_path):
     """`python -m fastpt.train ... | head -3`: the pipe closes, the run goes on to its last step and
     checkpoint, its metrics.jsonl whole, and exits 0."""
