@@ -235,13 +235,13 @@ def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path, caps
     np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
-def test_tiny_run_on_real_text_learns_and_writes_its_run_dir(bpe_data, tmp_path):
+def test_tiny_run_on_real_text_learns_and_writes_its_run_dir(bpe_data, tmp_path, capsys):
     out = tmp_path / "run"
-    result = run_train(*TINY, "--data", str(bpe_data), "--out", str(out), "--max-steps", "60",
-                       "--seq-len", "64", "--micro-batch", "8", "--lr", "3e-3", "--warmup-steps", "10",
-                       "--eval-every", "30", "--log-every", "10")
-    assert result.returncode == 0, result.stderr
-    assert "Step    60/60 | Loss:" in result.stdout and "tok/s" in result.stdout
+    code, stdout, err = run_main(train.main, [*TINY, "--data", str(bpe_data), "--out", str(out), "--max-steps", "60",
+                                              "--seq-len", "64", "--micro-batch", "8", "--lr", "3e-3",
+                                              "--warmup-steps", "10", "--eval-every", "30", "--log-every", "10"], capsys)
+    assert code == 0, err
+    assert "Step    60/60 | Loss:" in stdout and "tok/s" in stdout
     losses = [r["loss"] for r in read_metrics(out)]
     assert losses[-1] < losses[0] - 0.5 and losses[-1] < math.log(512) - 0.8, losses
     records = read_metrics(out)

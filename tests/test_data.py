@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from conftest import REPO, TINY, assert_one_line_error, run_main, run_train
+from conftest import REPO, TINY, assert_one_line_error, run_main
 from fastpt import prepare, sample, train
 from fastpt.data import data_vocab, find_shards
 from fastpt.shards import read_shard, write_shard
@@ -109,7 +109,7 @@ def test_record_inputs_decode_to_the_source_documents(tmp_path, name, write, fie
     assert got == [d for d in docs if d] and meta["documents"] == len(docs) - 1
 
 
-def test_a_pretrained_tokenizer_json_gives_its_own_ids_and_trains(tmp_path):
+def test_a_pretrained_tokenizer_json_gives_its_own_ids_and_trains(tmp_path, capsys):
     tok = train_tokenizer(DOCS * 3)
     (tmp_path / "gpt2ish").mkdir()
     tok.save(str(tmp_path / "gpt2ish" / "tokenizer.json"))
@@ -123,8 +123,9 @@ def test_a_pretrained_tokenizer_json_gives_its_own_ids_and_trains(tmp_path):
     got = [d.tolist() for d in split_docs(stream(tmp_path / "data"), eot)]
     assert got == [e.ids for e in tok.encode_batch(docs)]
 
-    result = run_train("--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), *TINY, "--max-steps", "3")
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_main(train.main, ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), *TINY,
+                                         "--max-steps", "3"], capsys)
+    assert code == 0, err
     ours = load_tokenizer(tmp_path / "run" / "tokenizer.json")  # what fastpt.sample decodes with
     assert ours.vocab_size == tok.get_vocab_size() and ours.decode(got[7]) == docs[7]
 
@@ -159,9 +160,9 @@ def test_nanogpt_char_data_with_meta_pkl_trains_and_decodes(tmp_path, capsys):
     shards = find_shards(data, "train", "nanogpt") + find_shards(data, "val", "nanogpt")
     assert data_vocab(data, shards, headerless=True) == len(chars)
 
-    result = run_train("--data", str(data), "--data-format", "nanogpt", "--out", str(tmp_path / "run"), *TINY,
-                       "--max-steps", "3")
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_main(train.main, ["--data", str(data), "--data-format", "nanogpt", "--out", str(tmp_path / "run"),
+                                         *TINY, "--max-steps", "3"], capsys)
+    assert code == 0, err
     tok = load_tokenizer(tmp_path / "run" / "tokenizer.json")  # what the trainer wrote for fastpt.sample
     assert tok.vocab_size == len(chars) and tok.eot_id is None and tok.decode(ids.tolist()) == text
     code, out, err = run_main(sample.main, ["--ckpt", str(tmp_path / "run"), "--device", "cpu",

@@ -159,7 +159,7 @@ def test_a_transformers_llama_imports_with_its_logits_and_exports_back(tmp_path,
     assert all(torch.equal(back[k], v) for k, v in expected.items())
 
 
-def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tiny_data, tmp_path):
+def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tiny_data, tmp_path, capsys):
     """--init-from: the first logged loss is HF's own loss on the first batch (warmup makes step 1's
     learning rate 0, so its checkpoint still holds HF's weights: exported, they are HF's tensors);
     then training goes on, and a shape key that contradicts the HF model is refused."""
@@ -169,12 +169,11 @@ def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tin
     torch.manual_seed(0)
     theirs = LlamaForCausalLM(config).eval()
     theirs.save_pretrained(tmp_path / "hf")
-    args = ("--init-from", str(tmp_path / "hf"), "--data", str(tiny_data), "--out", str(tmp_path / "run"),
+    args = ["--init-from", str(tmp_path / "hf"), "--data", str(tiny_data), "--out", str(tmp_path / "run"),
             "--device", "cpu", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4", "--log-every", "1",
-            "--warmup-steps", "1")
-    first = run_train(*args, "--max-steps", "1")
-    assert first.returncode == 0, first.stderr
-    assert f"init from {tmp_path / 'hf'}" in first.stdout
+            "--warmup-steps", "1"]
+    code, out, err = run_main(train.main, args + ["--max-steps", "1"], capsys)
+    assert code == 0 and f"init from {tmp_path / 'hf'}" in out, err
     batch = TrainLoader(Windows(find_shards(tiny_data, "train"), 32), 4, seed=1337, device=torch.device("cpu")).next()
     expected = torch.nn.functional.cross_entropy(logits(theirs, batch.x).flatten(0, 1), batch.y.flatten())
     assert read_metrics(tmp_path / "run")[0]["loss"] == pytest.approx(expected.item(), rel=1e-5)
@@ -182,12 +181,12 @@ def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tin
     back = load_file(tmp_path / "back" / "model.safetensors")
     assert all(torch.equal(back[k], v) for k, v in theirs.state_dict().items())
 
-    more = run_train(*args, "--max-steps", "4", "--resume")
-    assert more.returncode == 0, more.stderr
+    code, _, err = run_main(train.main, args + ["--max-steps", "4", "--resume"], capsys)
+    assert code == 0, err
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
-    refused = run_train(*args, "--max-steps", "1", "--out", str(tmp_path / "other"), "--n-layers", "3")
-    assert refused.returncode == 2
-    assert refused.stderr == "fastpt: error: 'n_layers' = 3 disagrees with the model of --init-from (2)\n"
+    code, _, err = run_main(train.main, args + ["--max-steps", "1", "--out", str(tmp_path / "other"),
+                                                "--n-layers", "3"], capsys)
+    assert code == 2 and err == "fastpt: error: 'n_layers' = 3 disagrees with the model of --init-from (2)\n"
 
 
 def write_config(folder, **changes) -> None:
