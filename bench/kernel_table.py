@@ -2,10 +2,11 @@
 
 python -m bench kernels [--device cuda|cpu] [--ops LIST] [--providers LIST] [--json PATH] [--markdown PATH]
 
-On CUDA: bf16 at the 0.04b model's shapes (32k tokens x dim 512, vocab 32000), triton.testing.do_bench medians and the extra
-memory one call allocates (max_memory_allocated minus what was allocated before; the input
-gradients are part of it). On CPU: fp32 at small shapes, wall-clock medians, memory shown as
-"–"; there fastpt dispatches to its reference, so the table only checks the harness.
+On CUDA: bf16 at the 0.04b model's shapes (32k tokens x dim 512, vocab 32000),
+triton.testing.do_bench medians and the extra memory one call allocates (max_memory_allocated
+minus what was allocated before; the input gradients are part of it). On CPU: fp32 at small
+shapes, wall-clock medians, memory shown as "–"; there fastpt dispatches to its reference, so
+the table only checks the harness.
 Liger and torch's chunked F.linear_cross_entropy join when importable / present.
 """
 from __future__ import annotations

@@ -11,9 +11,9 @@ import torch
 
 from bench import baseline
 from bench.common import REPO
+from bench.train_step import Setup, losses_agree, parse_mode, run_mode, unavailable
 from fastpt.config import ModelConfig
 from fastpt.model import Transformer
-from bench.train_step import Setup, losses_agree, parse_mode, run_mode, unavailable
 
 ROW_FIELDS = {"mode", "tok_s", "step_ms", "peak_mem_gib", "mfu", "loss", "compile_s", "device", "device_name",
               "torch", "triton", "commit", "preset", "micro_batch", "seq_len", "grad_accum", "dtype", "data"}

@@ -37,13 +37,13 @@ from bench.common import REPO, env_info, fmt, markdown_table, matmul_tflops, rss
 from fastpt import float8
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig, model_config
 from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
-from fastpt.shards import write_shard
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import Transformer
 from fastpt.optim import build_optimizer
 from fastpt.profiling import compiled_graphs
+from fastpt.shards import write_shard
 from fastpt.train import train_step
 
 # (autotune, cudagraphs) -> torch.compile mode

@@ -21,7 +21,6 @@ from fastpt.model import Transformer
 from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 
-
 def check_out(out: Path, source: Path, overwrite: bool) -> None:
     """Refuse an --out that would lose something: a file, a folder that holds the checkpoint being
     exported, a non-empty folder that is not a Hugging Face model, and one that is (without --overwrite)."""
@@ -85,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("source", metavar="RUN_DIR_OR_CKPT",
                     help="a run folder (its newest checkpoint), a checkpoint file or an FSDP checkpoint directory")
     ap.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                     help="weight precision (default: %(default)r: the checkpoint's own, exactly)")
     ap.add_argument("--max-shard-size", default="5GB",
                     help="largest safetensors file before the weights are split into shards "

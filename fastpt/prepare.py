@@ -227,10 +227,10 @@ def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: i
     tokenizer_json = (folder / "tokenizer.json").read_text(encoding="utf-8")
     writer = ShardWriter(folder, "train", vocab_size, shard_tokens)
     docs = nbytes = 0
-    # a terminal gets a live bar; a log file one progress line every 30 s, not a redraw a second
-    interval = 0.1 if sys.stderr.isatty() else 30
-    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024, mininterval=interval,
-              delay=0 if interval < 1 else interval) as bar:
+    # a terminal gets a live bar; a log file one progress line every 30 s (none for a shorter run)
+    log_interval = 0 if sys.stderr.isatty() else 30
+    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024, mininterval=log_interval or 0.1,
+              delay=log_interval) as bar:
         for tokens, n, d in encode_all(batches(documents(sources, text_field)), tokenizer_json, workers):
             writer.write(tokens)
             docs, nbytes = docs + d, nbytes + n

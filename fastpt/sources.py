@@ -82,7 +82,7 @@ def _walk(folder: Path, skip: Path | None) -> Iterator[Source]:
     """Every file below a folder, sorted; hidden files and folders and the folder `skip` are
     skipped, and a saved Hugging Face dataset inside it is one source."""
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not _same(Path(root, d), skip))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not _inside(Path(root, d), skip))
         for d in [d for d in dirs if _is_saved_dataset(Path(root, d))]:
             dirs.remove(d)
             yield Source(str(Path(root, d)), "saved")
@@ -91,8 +91,8 @@ def _walk(folder: Path, skip: Path | None) -> Iterator[Source]:
                 yield _source(Path(root, f))
 
 
-def _same(path: Path, other: Path | None) -> bool:
-    return other is not None and os.path.abspath(path) == os.path.abspath(other)
+def _inside(path: Path, folder: Path | None) -> bool:
+    return folder is not None and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
 
 
 def find_sources(inputs: list[str | Path], hf_dataset: str | None = None, skip: Path | None = None) -> list[Source]:
@@ -104,7 +104,7 @@ def find_sources(inputs: list[str | Path], hf_dataset: str | None = None, skip: 
         if not paths:
             raise DataError(f"input {item} does not exist")
         for p in paths:
-            if skip is not None and Path(os.path.abspath(p)).is_relative_to(os.path.abspath(skip)):
+            if _inside(p, skip):
                 continue
             if p.is_dir():
                 sources += [Source(str(p), "saved")] if _is_saved_dataset(p) else list(_walk(p, skip))
