@@ -152,7 +152,11 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the ones that add CUDA
 class TrainConfig:
     # model and data
     preset: str = setting("0.04b", "model size (see --list-presets)", choices=tuple(PRESETS))
-    data: str = setting("", "folder of train_*.bin / val_*.bin shards; '' = the default corpus, prepared once")
+    data: str = setting("", "folder of train_*.bin / val_*.bin shards, or a weighted mixture of such folders "
+                            "DIR:WEIGHT,DIR:WEIGHT (in TOML also a table); '' = the default corpus, prepared once")
+    packing: str = setting("concat", "training windows: concat cuts them from the token stream; bos starts each at "
+                                     "a document token, filled best-fit with whole documents",
+                           choices=("concat", "bos"))
     data_format: str = setting("llmc", "llmc: headered shards (fastpt, llm.c, modded-nanogpt); "
                                        "nanogpt: headerless uint16 .bin", choices=("llmc", "nanogpt"))
     out: str = setting("runs/default", "run folder: config, metrics.jsonl, checkpoints, tokenizer")
@@ -209,6 +213,8 @@ class TrainConfig:
     log_every: int = setting(10, "steps between dashboard lines / metrics records", domain=POSITIVE)
     eval_every: int = setting(500, "steps between validation evals", domain=POSITIVE)
     eval_tokens: int = setting(262144, "validation tokens per eval", domain=POSITIVE)
+    eval_mc: str = setting("", "JSONL file of multiple-choice rows (ctx, endings, label) scored at every eval "
+                               "as mc_acc; '' = off")
     ckpt_every: int = setting(1000, "steps between checkpoints", domain=POSITIVE)
     keep_checkpoints: int = setting(3, "newest checkpoints kept on disk", domain=POSITIVE)
     on_nonfinite: str = setting("stop", "on a NaN/inf loss or gradient: stop, or skip the update",
@@ -261,6 +267,8 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
+    if isinstance(raw.get("data"), dict):  # a mixture as a table: [data] web = 0.8, code = 0.2
+        raw["data"] = ",".join(f"{name}:{weight}" for name, weight in raw["data"].items())
     return {k: coerce(k, v, str(path)) for k, v in raw.items()}
 
 

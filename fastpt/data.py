@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
+import itertools
 import json
+import math
 import queue
 import threading
 import time
@@ -15,9 +18,11 @@ import torch
 
 from fastpt.errors import DataError
 from fastpt.shards import INCOMPLETE, MAX_VOCAB, read_shard, shard_vocab
-from fastpt.tokenizer import load_tokenizer, read_nanogpt_meta
+from fastpt.tokenizer import load_tokenizer, read_nanogpt_meta, same_tokenizer
 
 GPT2_VOCAB = 50257  # what nanoGPT assumes for headerless data without a meta.pkl
+BEST_FIT_BUFFER = 1000  # documents --packing bos chooses among for each window, as nanochat's
+MIX_BLOCK = 1000  # stream positions per mixture block: each block holds every source at its share
 
 
 def prepare_hint(path: Path) -> str:
@@ -52,11 +57,39 @@ class Batch:
     y: torch.Tensor  # (B, T) targets, x shifted by one
 
 
-class Windows:
+def permuted(n: int, positions: np.ndarray, seed: tuple[int, ...], cache: dict) -> np.ndarray:
+    """Stream positions -> indices of n windows: a seeded permutation per epoch (no replacement).
+    `cache` keeps the latest epoch's permutation."""
+    epochs = positions // n
+    out = np.empty_like(positions)
+    for epoch in np.unique(epochs):
+        key = (*seed, int(epoch))
+        if key not in cache:
+            cache.clear()
+            cache[key] = np.random.default_rng(list(key)).permutation(n)
+        mask = epochs == epoch
+        out[mask] = cache[key][positions[mask] % n]
+    return out
+
+
+class WindowSet:
+    """What the loader needs of a set of windows: len(), gather(indices) and draw(positions, *seed)."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+        self._perms: dict = {}  # the latest epoch's permutation, by (seed..., epoch)
+
+    def draw(self, positions: np.ndarray, *seed: int) -> torch.Tensor:
+        """The windows at these positions of the shuffled stream -> (len(positions), seq_len + 1)."""
+        return self.gather(permuted(len(self), positions, seed, self._perms))
+
+
+class Windows(WindowSet):
     """Non-overlapping windows of seq_len + 1 tokens over a list of memory-mapped shards."""
 
     def __init__(self, shards: list[Path], seq_len: int, headerless: bool = False):
-        self.seq_len = seq_len
+        super().__init__(seq_len)
+        self.shards = shards
         self.tokens = [read_shard(p, headerless) for p in shards]
         per_shard = np.array([len(t) // (seq_len + 1) for t in self.tokens], dtype=np.int64)
         if per_shard.sum() == 0:
@@ -77,6 +110,137 @@ class Windows:
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
+def document_starts(tokens: np.ndarray, doc_id: int, chunk: int = 1 << 24) -> np.ndarray:
+    """Offsets of every document token in a shard, scanned in chunks so memory stays bounded."""
+    found = [np.flatnonzero(tokens[i:i + chunk] == doc_id) + i for i in range(0, len(tokens), chunk)]
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
+
+def best_fit(lengths: list[int], span: int, buffer: int) -> tuple[list[int], list[int], list[int]]:
+    """Pack documents shorter than span into rows of exactly span tokens (nanochat's best-fit):
+    each row takes the longest buffered document that still fits; when none does, the shortest,
+    cropped to fill the row. Returns (document, tokens taken) per segment and each row's end
+    segment; an unfilled last row is left out."""
+    pool: list[tuple[int, int]] = []  # (length, document), sorted
+    upcoming = iter(enumerate(lengths))
+    seg_doc, seg_take, row_ends = [], [], []
+    while True:
+        left = span
+        while left:
+            for doc, n in itertools.islice(upcoming, buffer - len(pool)):
+                bisect.insort(pool, (n, doc))
+            if not pool:
+                end = row_ends[-1] if row_ends else 0
+                return seg_doc[:end], seg_take[:end], row_ends
+            n, doc = pool.pop(max(bisect.bisect_right(pool, (left, math.inf)) - 1, 0))
+            seg_doc.append(doc)
+            seg_take.append(min(n, left))
+            left -= seg_take[-1]
+        row_ends.append(len(seg_doc))
+
+
+class BosWindows(WindowSet):
+    """Windows of seq_len + 1 tokens that each start at a document token (--packing bos): a document
+    at least that long gives one window of its first tokens, shorter ones are packed best-fit.
+    `dropped` is the fraction of the shards' tokens no window holds (cropped tails, and the
+    first partial document of a shard that starts mid-document)."""
+
+    def __init__(self, shards: list[Path], seq_len: int, doc_id: int, headerless: bool = False):
+        super().__init__(seq_len)
+        self.shards = shards
+        self.tokens = [read_shard(p, headerless) for p in shards]
+        span = seq_len + 1
+        starts = [document_starts(t, doc_id) for t in self.tokens]
+        if not sum(map(len, starts)):
+            raise DataError(f"{shards[0].parent}: no document token (id {doc_id}) in its shards for --packing bos")
+        shard_of = np.concatenate([np.full(len(s), i) for i, s in enumerate(starts)])
+        begin = np.concatenate(starts)
+        length = np.concatenate([np.diff(s, append=len(t)) for s, t in zip(starts, self.tokens)])
+        long, short = np.flatnonzero(length >= span), np.flatnonzero(length < span)
+        seg_doc, seg_take, row_ends = best_fit(length[short].tolist(), span, BEST_FIT_BUFFER)
+        docs = np.concatenate((long, short[np.array(seg_doc, dtype=np.int64)]))
+        self.seg_shard, self.seg_begin = shard_of[docs], begin[docs]
+        self.seg_take = np.concatenate((np.full(len(long), span), seg_take)).astype(np.int64)
+        self.row_start = np.concatenate(([0], np.arange(1, len(long) + 1), len(long) + np.array(row_ends, np.int64)))
+        if len(self) == 0:
+            raise DataError(f"seq_len {seq_len} is longer than the data: {shards[0].parent} has "
+                            f"{sum(map(len, self.tokens))} tokens")
+        self.dropped = 1 - len(self) * span / sum(map(len, self.tokens))
+
+    def __len__(self) -> int:
+        return len(self.row_start) - 1
+
+    def gather(self, indices: np.ndarray) -> torch.Tensor:
+        """Windows by index -> (len(indices), seq_len + 1) int64, each the concatenation of its segments."""
+        rows = [np.concatenate([self.tokens[self.seg_shard[j]][self.seg_begin[j]:self.seg_begin[j] + self.seg_take[j]]
+                                for j in range(self.row_start[w], self.row_start[w + 1])]) for w in indices]
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def quotas(weights: list[float], total: int) -> np.ndarray:
+    """Integer shares of `total` in proportion to weights (largest remainder), each at least 1."""
+    exact = np.asarray(weights, dtype=np.float64) / sum(weights) * total
+    quota = np.maximum(1, np.floor(exact)).astype(np.int64)
+    while quota.sum() < total:
+        quota[np.argmax(exact - quota)] += 1
+    while quota.sum() > total:
+        quota[np.argmax(quota - exact)] -= 1
+    return quota
+
+
+class Mixture(WindowSet):
+    """Several window sets sampled by weight: every block of MIX_BLOCK stream positions holds each
+    source at its quota, in a seeded order; each source walks its own shuffled epochs, so a small
+    source with a large weight repeats sooner. Position -> (source, draw) is arithmetic, so resume
+    and rank striping work as for one source. One epoch = the positions before any source repeats."""
+
+    def __init__(self, parts: list[WindowSet], weights: list[float]):
+        super().__init__(parts[0].seq_len)
+        self.parts = parts
+        self.quota = quotas(weights, MIX_BLOCK)
+        self.shares = self.quota / MIX_BLOCK
+        self.epoch_len = max(1, int(min(len(p) / s for p, s in zip(parts, self.shares))))
+        self._blocks: dict = {}
+
+    def __len__(self) -> int:
+        return self.epoch_len
+
+    def _route(self, positions: np.ndarray, seed: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Stream positions -> (source, how many draws that source had before)."""
+        source, local = np.empty_like(positions), np.empty_like(positions)
+        for block in np.unique(positions // MIX_BLOCK):
+            key = (*seed, int(block))
+            if key not in self._blocks:
+                order = np.random.default_rng([*key, len(self.parts)]).permutation(
+                    np.repeat(np.arange(len(self.parts)), self.quota))
+                rank = np.empty_like(order)
+                for k, q in enumerate(self.quota):
+                    rank[order == k] = np.arange(q)
+                self._blocks = {key: (order, rank)}
+            order, rank = self._blocks[key]
+            mask = positions // MIX_BLOCK == block
+            offsets = positions[mask] % MIX_BLOCK
+            source[mask] = order[offsets]
+            local[mask] = block * self.quota[order[offsets]] + rank[offsets]
+        return source, local
+
+    def _rows(self, positions: np.ndarray, seed: tuple[int, ...], shuffled: bool) -> torch.Tensor:
+        source, local = self._route(positions, seed)
+        out = torch.empty(len(positions), self.seq_len + 1, dtype=torch.int64)
+        for k in np.unique(source):
+            mask, part = source == k, self.parts[k]
+            rows = part.draw(local[mask], *seed, int(k)) if shuffled else part.gather(local[mask] % len(part))
+            out[torch.from_numpy(mask)] = rows
+        return out
+
+    def draw(self, positions: np.ndarray, *seed: int) -> torch.Tensor:
+        return self._rows(positions, seed, shuffled=True)
+
+    def gather(self, indices: np.ndarray) -> torch.Tensor:
+        """Validation: the same interleaving every time, each source's windows in order."""
+        return self._rows(indices, (), shuffled=False)
+
+
 class TrainLoader:
     """Seeded per-epoch permutation of windows, striped over micro-steps and ranks.
 
@@ -85,7 +249,7 @@ class TrainLoader:
     The only state is the position in that stream (plus the seed).
     """
 
-    def __init__(self, windows: Windows, micro_batch: int, seed: int,
+    def __init__(self, windows: WindowSet, micro_batch: int, seed: int,
                  device: torch.device, rank: int = 0, world_size: int = 1, prefetch: int = 2):
         self.windows, self.micro_batch, self.seed = windows, micro_batch, seed
         self.rank, self.world_size = rank, world_size
@@ -93,26 +257,13 @@ class TrainLoader:
         self.prefetch = prefetch
         self.position = 0  # micro-steps handed out so far (each covers world_size micro-batches)
         self.wait_s = 0.0  # time spent blocked on the prefetch queue, for data-wait %
-        self._perms: dict[int, np.ndarray] = {}
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def _indices(self, micro_step: int) -> np.ndarray:
-        n = len(self.windows)
+    def _positions(self, micro_step: int) -> np.ndarray:
         first = (micro_step * self.world_size + self.rank) * self.micro_batch
-        positions = np.arange(first, first + self.micro_batch)
-        epochs = positions // n
-        out = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            mask = epochs == epoch
-            out[mask] = self._perm(int(epoch))[positions[mask] % n]
-        return out
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))}
-        return self._perms[epoch]
+        return np.arange(first, first + self.micro_batch)
 
     def _produce(self, start: int, q: queue.Queue, stop: threading.Event) -> None:
         """Build batches in order from micro-step `start`; contiguous (and pinned for CUDA) here,
@@ -122,7 +273,7 @@ class TrainLoader:
         step = start
         while not stop.is_set():
             try:
-                w = self.windows.gather(self._indices(step))  # (B, T+1)
+                w = self.windows.draw(self._positions(step), self.seed)  # (B, T+1)
                 x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # (B, T) each
                 item = (x.pin_memory(), y.pin_memory()) if pin else (x, y)
             except Exception as e:
@@ -187,7 +338,7 @@ class TrainLoader:
         self.position = state["windows_consumed"] // per_micro
 
 
-def eval_batches(windows: Windows, micro_batch: int, eval_tokens: int, device: torch.device,
+def eval_batches(windows: WindowSet, micro_batch: int, eval_tokens: int, device: torch.device,
                  rank: int = 0, world_size: int = 1):
     """The first eval_tokens of the validation windows, in order: the same every evaluation and
     for any world size. Ranks take every world_size-th window; FSDP ranks must run the same
@@ -221,11 +372,15 @@ def data_vocab(folder: Path, shards: list[Path], headerless: bool) -> int:
     return max(GPT2_VOCAB, largest + 1) if headerless else largest + 1
 
 
-def _meta_json_vocab(path: Path) -> int:
+def _read_meta(path: Path, key: str):
     try:
-        vocab = json.loads(path.read_text())["vocab_size"]
+        return json.loads(path.read_text())[key]
     except (OSError, UnicodeError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: not a readable fastpt meta.json ({type(e).__name__}: {e})") from None
+
+
+def _meta_json_vocab(path: Path) -> int:
+    vocab = _read_meta(path, "vocab_size")
     if not isinstance(vocab, int) or not 0 < vocab <= MAX_VOCAB:
         raise DataError(f"{path}: vocab_size {vocab!r} is not a vocabulary size (1 to {MAX_VOCAB:,})")
     return vocab
@@ -254,3 +409,96 @@ def check_token_ids(shards: list[Path], vocab_size: int, headerless: bool) -> No
         largest = max_token_id(p, headerless)
         if largest >= vocab_size:
             raise DataError(f"{p}: token id {largest} is out of range for vocab size {vocab_size}")
+
+
+def doc_token(folder: str | Path, option: str) -> int:
+    """The id of the token that starts every document of a prepared dataset (meta.json's eot_id,
+    else its tokenizer.json's); a DataError naming the folder and the `option` that needs it
+    when the data has none (headerless nanoGPT bins, a tokenizer without one)."""
+    folder = Path(folder)
+    if (folder / "meta.json").is_file():
+        token = _read_meta(folder / "meta.json", "eot_id")
+    elif (folder / "tokenizer.json").is_file():
+        token = load_tokenizer(folder / "tokenizer.json").eot_id
+    else:
+        token = None
+    if not isinstance(token, int) or isinstance(token, bool):
+        raise DataError(f"{option} needs data whose documents start with a document token, and {folder} has "
+                        "none (no meta.json with an eot_id): prepare its text with fastpt.prepare")
+    return token
+
+
+@dataclass
+class Source:
+    """One prepared dataset of --data and its sampling weight."""
+    folder: Path
+    weight: float = 1.0
+
+
+def data_sources(spec: str) -> list[Source]:
+    """--data: '' (the default corpus) -> []; DIR -> one source; DIR:W,DIR:W,... -> a weighted mixture."""
+    if not spec or Path(spec).is_dir() or ":" not in spec:
+        return [Source(Path(spec))] if spec else []
+    sources = []
+    for item in spec.split(","):
+        name, _, weight = item.strip().rpartition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not name:
+            raise DataError(f"'data' = {spec!r}: {item.strip()!r} is not DIR:WEIGHT")
+        if not (value > 0 and math.isfinite(value)):
+            raise DataError(f"'data': the weight {weight!r} of {name} is not a positive number")
+        if not Path(name).is_dir():
+            raise DataError(f"'data': {name} is not a folder of prepared data (weight {weight})")
+        sources.append(Source(Path(name), value))
+    return sources
+
+
+def common_vocab(sources: list[Source], data_format: str) -> int:
+    """The data's vocab size; the sources of a mixture must share one tokenizer (and so their ids)."""
+    headerless = data_format == "nanogpt"
+    vocabs = [data_vocab(s.folder, find_shards(s.folder, "train", data_format)
+                         + find_shards(s.folder, "val", data_format), headerless) for s in sources]
+    first = sources[0].folder / "tokenizer.json"
+    for s, vocab in zip(sources[1:], vocabs[1:]):
+        other = s.folder / "tokenizer.json"
+        same = vocab == vocabs[0] and first.is_file() == other.is_file() and (
+            not first.is_file() or same_tokenizer(first, other))
+        if not same:
+            raise DataError(f"'data' mixes {sources[0].folder} and {s.folder}, which were not prepared with the same "
+                            f"tokenizer (vocab {vocabs[0]} and {vocab}): prepare every source with one --tokenizer")
+    return vocabs[0]
+
+
+def open_windows(sources: list[Source], seq_len: int, packing: str, data_format: str,
+                 vocab_size: int) -> tuple[WindowSet, WindowSet]:
+    """Train and validation windows of every source (token ids checked against the vocab); a mixture
+    of them when there are several. Validation is always concat, so val_loss compares across --packing."""
+    headerless = data_format == "nanogpt"
+    train, val = [], []
+    for s in sources:
+        train_shards, val_shards = find_shards(s.folder, "train", data_format), find_shards(s.folder, "val", data_format)
+        check_token_ids(train_shards + val_shards, vocab_size, headerless)
+        train.append(BosWindows(train_shards, seq_len, doc_token(s.folder, "'packing' = 'bos'"), headerless)
+                     if packing == "bos" else Windows(train_shards, seq_len, headerless))
+        val.append(Windows(val_shards, seq_len, headerless))
+    if len(sources) == 1:
+        return train[0], val[0]
+    weights = [s.weight for s in sources]
+    return Mixture(train, weights), Mixture(val, weights)
+
+
+def describe_data(sources: list[Source], train: WindowSet, val: WindowSet) -> str:
+    """The summary line's data part: each source's folder (and share), shards and tokens; what bos drops."""
+    parts = getattr(train, "parts", [train])
+    vals = getattr(val, "parts", [val])
+    shares = getattr(train, "shares", [1.0])
+    out = []
+    for s, t, v, share in zip(sources, parts, vals, shares):
+        mix = f" {share:.1%}" if len(sources) > 1 else ""
+        drop = f", bos drops {t.dropped:.1%}" if isinstance(t, BosWindows) else ""
+        out.append(f"{s.folder}{mix}: {len(t.shards)} train shards ({sum(map(len, t.tokens)):,} tokens{drop}), "
+                   f"{len(v.shards)} val ({sum(map(len, v.tokens)):,} tokens)")
+    return " + ".join(out)

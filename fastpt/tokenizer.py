@@ -4,12 +4,14 @@ reads back, so a data folder, and a run folder, are enough to decode.
 
 Every kind has the same interface: `encode_batch(list[str]) -> list[list[int]]` (no special
 tokens added), `decode(ids) -> str` (special ids and ids outside the vocab are skipped, never an
-error), `eot_id` (the token that starts every document, or None) and `vocab_size`.
+error), `eot_id` (the token that starts every document, or None), `vocab_size` and
+`token_bytes()` (the UTF-8 bytes of each id's text, 0 for special ids: what bits per byte divide by).
 """
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -39,6 +41,9 @@ class ByteTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> list[int]:
+        return [1] * 256 + [0]
 
     def save(self, path: Path) -> None:
         _save_json(path, {"type": "bytes", "vocab_size": self.vocab_size})
@@ -70,6 +75,9 @@ class CharTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.chars[i] for i in ids if 0 <= i < len(self.chars))
+
+    def token_bytes(self) -> list[int]:
+        return [len(c.encode("utf-8")) for c in self.chars] + [0] * (self.eot_id is not None)
 
     def save(self, path: Path) -> None:
         _save_json(path, {"type": "char", "chars": self.chars, "eot": self.eot_id is not None})
@@ -106,6 +114,22 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([i for i in ids if 0 <= i < self.vocab_size])
 
+    def token_bytes(self) -> list[int]:
+        """Byte-level BPE (GPT-2, Llama 3, ours) spells each byte as one character of its pieces;
+        SentencePiece-style vocabularies use <0xNN> byte pieces and U+2581 for a space."""
+        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        byte_level = "ByteLevel" in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
+        out = []
+        for i in range(self.vocab_size):
+            piece = self.tok.id_to_token(i)
+            if piece is None or i in special:
+                out.append(0)
+            elif byte_level or re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+                out.append(len(piece) if byte_level else 1)
+            else:
+                out.append(len(piece.replace("\u2581", " ").encode("utf-8")))
+        return out
+
     def save(self, path: Path) -> None:
         self.tok.save(str(path))
 
@@ -129,6 +153,16 @@ class TiktokenTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.enc.decode([i for i in ids if 0 <= i < self.vocab_size and i != self.eot_id])
+
+    def token_bytes(self) -> list[int]:
+        special = {self.enc.encode_single_token(t) for t in self.enc.special_tokens_set}
+        out = []
+        for i in range(self.vocab_size):
+            try:
+                out.append(0 if i in special else len(self.enc.decode_single_token_bytes(i)))
+            except KeyError:  # an id the encoding leaves unused
+                out.append(0)
+        return out
 
     def save(self, path: Path) -> None:
         _save_json(path, {"type": "tiktoken", "name": self.name})

@@ -23,8 +23,9 @@ import kernels
 from fastpt import checkpoint, distributed, float8
 from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
                            parse_args, profile_steps, resolve, to_toml)
-from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
+from fastpt.data import Source, TrainLoader, common_vocab, data_sources, describe_data, open_windows
 from fastpt.errors import CheckpointError, ConfigError, DataError, print_or_drop, run_command
+from fastpt.evaluate import Evaluator, describe_eval, evaluate  # noqa: F401 (evaluate: train.evaluate stays)
 from fastpt.files import lock
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
@@ -169,25 +170,6 @@ def fmt_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, windows: Windows, cfg: TrainConfig, device: torch.device, autocast: torch.autocast,
-             d: distributed.Dist) -> float:
-    model.eval()
-    total = torch.zeros((), device=device)
-    count = torch.zeros((), device=device)
-    for batch in eval_batches(windows, cfg.micro_batch, cfg.eval_tokens, device, d.rank, d.world_size):
-        torch.compiler.cudagraph_mark_step_begin()  # each forward a CUDA-graph step of its own; else a no-op
-        with autocast:
-            _, loss, z_loss = model(batch.x, labels=batch.y)
-        loss = loss if z_loss is None else loss - z_loss  # the cross-entropy alone
-        counted = (batch.y != -100).sum()
-        total += torch.where(counted > 0, loss.float() * counted, 0.0)  # all padding: its mean is 0 / 0
-        count += counted
-    model.train()
-    stats = distributed.all_reduce_mean(torch.stack([total, count]), d)
-    return (stats[0] / stats[1]).item()
-
-
 def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     """Run the training loop; returns the process exit code."""
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
@@ -208,7 +190,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     init_tokenizer = hf_tokenizer_path(cfg.init_from) if init else None
 
     # ---- data: memory-mapped shards, token ids checked against the vocab once
-    data_dir = Path(cfg.data) if cfg.data else None
+    sources = data_sources(cfg.data)  # one prepared folder, or a weighted mixture; [] = the default corpus
+    data_dir = sources[0].folder if sources else None
     if data_dir is None:
         from fastpt.prepare import default_corpus
         vocab_hint = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or 4096  # BPE size (tiny takes the data's)
@@ -219,19 +202,16 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             default_corpus(vocab_hint, init_tokenizer)
         distributed.barrier(d)
         data_dir = default_corpus(vocab_hint, init_tokenizer)
-    headerless = cfg.data_format == "nanogpt"
-    train_shards = find_shards(data_dir, "train", cfg.data_format)
-    val_shards = find_shards(data_dir, "val", cfg.data_format)
-    vocab = data_vocab(data_dir, train_shards + val_shards, headerless)
+    sources = sources or [Source(data_dir)]
+    vocab = common_vocab(sources, cfg.data_format)
     data_tokenizer = data_dir / "tokenizer.json"
     if d.is_main and init_tokenizer and data_tokenizer.is_file() and not same_tokenizer(init_tokenizer, data_tokenizer):
         print(f"fastpt: warning: {data_dir} was not prepared with {init_tokenizer}: its ids mean other tokens "
               f"to the model of --init-from (prepare it with --tokenizer {init_tokenizer})", file=sys.stderr)
     mcfg = model_config(cfg, vocab, init[0] if init else None)
-    check_token_ids(train_shards + val_shards, mcfg.vocab_size, headerless)
     seq_len = cfg.seq_len or mcfg.max_seq_len
-    train_windows = Windows(train_shards, seq_len, headerless)
-    val_windows = Windows(val_shards, seq_len, headerless)
+    train_windows, val_windows = open_windows(sources, seq_len, cfg.packing, cfg.data_format, mcfg.vocab_size)
+    evaluator = Evaluator(val_windows, cfg, device, data_dir, seq_len)  # val loss / bpb, --eval-mc
     loader = TrainLoader(train_windows, cfg.micro_batch, cfg.seed, device, d.rank, d.world_size)
 
     # ---- model, optimizer, precision
@@ -314,8 +294,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         + (f"init from {cfg.init_from}" if init else f"preset {cfg.preset}") + f" | params {raw_model.num_params():,} "
         f"| dtype {cfg.dtype} | compile {cfg.compile}{speed_choices(cfg)} | kernels {cfg.kernels} | MFU "
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"))
-    log(f"data {data_dir}: {len(train_shards)} train shards ({sum(map(len, train_windows.tokens)):,} tokens), "
-        f"{len(val_shards)} val ({sum(map(len, val_windows.tokens)):,} tokens) "
+    log(f"data {describe_data(sources, train_windows, val_windows)} | packing {cfg.packing} "
         f"| {tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
         f"{d.world_size} ranks) | {cfg.max_steps:,} steps = {tokens_per_step * cfg.max_steps:,} tokens")
 
@@ -396,12 +375,11 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
 
         with pace.paused():  # on a GPU a non-log step may still be in flight here
             if eval_now:
-                val_loss = evaluate(model, val_windows, cfg, device, autocast, d)
-                state.best_val_loss = min(state.best_val_loss, val_loss)
-                val_ppl = math.exp(min(val_loss, 20.0))
-                log(f"Step {state.step:5d}/{cfg.max_steps} | val loss {val_loss:.4f} | val PPL {val_ppl:.2f}")
+                evaluated = evaluator.run(model, autocast, d)
+                state.best_val_loss = min(state.best_val_loss, evaluated["val_loss"])
+                log(f"Step {state.step:5d}/{cfg.max_steps} | {describe_eval(evaluated)}")
                 if metrics:
-                    metrics.log({"step": state.step, "val_loss": val_loss, "val_ppl": val_ppl})
+                    metrics.log({"step": state.step, **evaluated})
             if ckpt_now and not save_checkpoint() and (is_last or preempted):
                 exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
         if preempted:
