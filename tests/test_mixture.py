@@ -1,0 +1,108 @@
+"""--data mixtures: several prepared datasets sampled by weight, deterministic, striped over
+ranks and exact on resume; every mistake in the spec is one line naming it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY, assert_one_line_error, run_main
+from fastpt import train
+from fastpt.config import resolve
+from fastpt.data import Mixture, TrainLoader, Windows, data_sources, quotas
+from fastpt.prepare import prepare
+from fastpt.shards import write_shard
+
+SEQ = 7
+
+
+def source(folder, first_id: int, n_windows: int) -> Windows:
+    """Windows each filled with first_id + its number (mod 400): a row says its source and window."""
+    folder.mkdir()
+    tokens = first_id + np.arange(n_windows * (SEQ + 1)) // (SEQ + 1) % 400
+    return Windows([write_shard(folder / "train_000000.bin", tokens, vocab_size=1000)], SEQ)
+
+
+def take(loader: TrainLoader, n: int) -> list[torch.Tensor]:
+    return [loader.next().x.clone() for _ in range(n)]
+
+
+def test_quotas_keep_every_source_and_sum_to_the_block():
+    assert quotas([0.8, 0.2], 1000).tolist() == [800, 200]
+    assert quotas([1, 1, 1], 1000).tolist() == [334, 333, 333]
+    assert quotas([1e-9, 1], 1000).tolist() == [1, 999]  # a tiny weight still draws
+
+
+def test_a_mixture_draws_each_source_at_its_weight_and_resumes_exactly(tmp_path):
+    web, code = source(tmp_path / "web", 0, 500), source(tmp_path / "code", 500, 60)
+    mixture = Mixture([web, code], [0.8, 0.2])
+    assert len(mixture) == 300  # code (60 windows at 20%) repeats first
+    cpu = torch.device("cpu")
+    reference = take(TrainLoader(mixture, 10, seed=5, device=cpu), 300)  # 3000 rows: 3 blocks, code's 10 epochs
+    rows = torch.cat(reference)
+    from_code = rows[:, 0] >= 500
+    assert int(from_code.sum()) == 600  # exactly its 20% in every block of 1000
+    assert 0.1 < from_code[:100].float().mean().item() < 0.3  # interleaved, not one source after the other
+    code_rows = rows[from_code]
+    assert len({tuple(r.tolist()) for r in code_rows[:60]}) == 60  # each source: no repeat within its epoch
+    first = TrainLoader(mixture, 10, seed=5, device=cpu)
+    take(first, 123)
+    state = first.state_dict()
+    first.close()
+    resumed = TrainLoader(mixture, 10, seed=0, device=cpu)
+    resumed.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(take(resumed, 50), reference[123:]))
+    ranks = [take(TrainLoader(mixture, 5, seed=5, device=cpu, rank=r, world_size=2), 8) for r in (0, 1)]
+    assert torch.equal(torch.cat([torch.cat(pair) for pair in zip(*ranks)]), torch.cat(reference[:8]))
+    other = torch.cat(take(TrainLoader(mixture, 10, seed=6, device=cpu), 30))
+    assert not torch.equal(other, rows[:300])
+
+
+@pytest.fixture(scope="module")
+def two_sets(tmp_path_factory):
+    """Two byte-level datasets (one tokenizer) and one with a BPE: a mixture may join only the first two."""
+    root = tmp_path_factory.mktemp("mix")
+    for name, text in (("web", "plain prose, sentence after sentence. " * 300),
+                       ("code", "def f(x):\n    return x + 1\n" * 400)):
+        (root / f"{name}.txt").write_text(text)
+        prepare([root / f"{name}.txt"], root / name, "bytes", workers=1, val_fraction=0.1)
+    prepare([root / "web.txt"], root / "bpe", "bpe", 300, workers=1, val_fraction=0.1)
+    return root
+
+
+def test_a_mixture_trains_and_the_summary_shows_each_share(two_sets, tmp_path, capsys):
+    spec = f"{two_sets / 'web'}:3,{two_sets / 'code'}:1"
+    code, out, err = run_main(train.main, [*TINY, "--data", spec, "--out", str(tmp_path / "run"),
+                                           "--max-steps", "2", "--eval-every", "2"], capsys)
+    assert code == 0, err
+    summary = next(line for line in out.splitlines() if line.startswith("data "))
+    assert f"{two_sets / 'web'} 75.0%:" in summary and f"{two_sets / 'code'} 25.0%:" in summary
+    assert "val loss" in out
+
+
+def test_the_toml_table_form_is_the_same_mixture(two_sets, tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(f'max_steps = 3\n\n[data]\n"{two_sets / "web"}" = 0.8\n"{two_sets / "code"}" = 0.2\n')
+    cfg = resolve({}, str(config), "cpu")
+    assert cfg.max_steps == 3
+    assert [(s.folder, s.weight) for s in data_sources(cfg.data)] == [(two_sets / "web", 0.8),
+                                                                      (two_sets / "code", 0.2)]
+
+
+MIX_MISTAKES = {
+    "weight not a number": ("{web}:0.8,{code}:lots", "'lots'"),
+    "weight zero": ("{web}:0.8,{code}:0", "'0'"),
+    "weight negative": ("{web}:-1,{code}:1", "'-1'"),
+    "weight nan": ("{web}:nan,{code}:1", "'nan'"),
+    "no such dataset": ("{web}:0.8,{root}/nothing:0.2", "{root}/nothing"),
+    "no name": ("{web}:0.8,:0.2", "':0.2'"),
+    "another tokenizer": ("{web}:0.5,{root}/bpe:0.5", "{root}/bpe"),
+}
+
+
+@pytest.mark.parametrize("case", MIX_MISTAKES)
+def test_mixture_mistakes_are_one_line_naming_them(case, two_sets, tmp_path, capsys):
+    spec, named = (v.format(web=two_sets / "web", code=two_sets / "code", root=two_sets) for v in MIX_MISTAKES[case])
+    code, _, err = run_main(train.main, [*TINY, "--data", spec, "--out", str(tmp_path / "run"), "--max-steps", "1"],
+                            capsys)
+    assert_one_line_error(code, err, named)
