@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, assert_one_line_error, run_main
+from conftest import TINY, assert_one_line_error, run_main, run_train
 from fastpt import distributed, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.data import Windows, find_shards
@@ -133,3 +133,29 @@ def test_data_without_a_tokenizer_logs_no_bpb_and_refuses_mc(tmp_path, capsys):
     mc.write_text(json.dumps({"ctx": "a", "endings": ["b", "c"], "label": 0}))
     code, _, err = run_main(train.main, [*args, "--out", str(tmp_path / "run2"), "--eval-mc", str(mc)], capsys)
     assert_one_line_error(code, err, str(folder), "tokenizer.json")
+
+
+@pytest.mark.slow
+def test_bos_mixture_and_mc_under_torchrun_follow_one_process(tiny_data, tmp_path):
+    """Two processes (DDP, FSDP) on a bos-packed mixture see the batches, val_bpb and mc_acc of one
+    process; 5 MC rows over 2 ranks leave one rank a row short (its forwards padded)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(SENTENCES * 30))
+    prepare([corpus], tmp_path / "sentences", "bytes", workers=1, val_fraction=0.1)
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text("\n".join(map(json.dumps, mc_rows()[:5])))
+    common = [*TINY, "--data", f"{tmp_path / 'sentences'}:0.7,{tiny_data}:0.3", "--packing", "bos",
+              "--eval-mc", str(mc), "--max-steps", "4", "--eval-every", "2", "--log-every", "1",
+              "--eval-tokens", "512", "--grad-accum", "2"]
+    records = {}
+    for name, nproc, extra in (("one", 0, ["--micro-batch", "4"]), ("ddp", 2, ["--micro-batch", "2"]),
+                               ("fsdp", 2, ["--micro-batch", "2", "--parallel", "fsdp"])):
+        result = run_train(*common, *extra, "--out", str(tmp_path / name), nproc=nproc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[name] = [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())]
+    for name in ("ddp", "fsdp"):
+        for got, want in zip(records[name], records["one"], strict=True):
+            for key in ("loss", "val_loss", "val_bpb", "mc_acc"):
+                assert (key in got) == (key in want)
+                if key in want:
+                    assert got[key] == pytest.approx(want[key], rel=1e-3), (name, key, got, want)
