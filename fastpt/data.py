@@ -328,7 +328,7 @@ class TrainLoader:
     def load_state_dict(self, state: dict) -> None:
         if state["num_windows"] != len(self.windows):
             raise DataError(f"checkpoint's loader saw {state['num_windows']} windows, the data now has "
-                            f"{len(self.windows)}: resume with the same data and seq_len")
+                            f"{len(self.windows)}: resume with the same data, seq_len and packing")
         per_micro = self.world_size * self.micro_batch
         if state["windows_consumed"] % per_micro:
             raise DataError(f"checkpoint position {state['windows_consumed']} windows is not a multiple of "
@@ -479,7 +479,7 @@ def open_windows(sources: list[Source], seq_len: int, packing: str, data_format:
     headerless = data_format == "nanogpt"
     train, val = [], []
     for s in sources:
-        train_shards, val_shards = find_shards(s.folder, "train", data_format), find_shards(s.folder, "val", data_format)
+        train_shards, val_shards = (find_shards(s.folder, split, data_format) for split in ("train", "val"))
         check_token_ids(train_shards + val_shards, vocab_size, headerless)
         train.append(BosWindows(train_shards, seq_len, doc_token(s.folder, "'packing' = 'bos'"), headerless)
                      if packing == "bos" else Windows(train_shards, seq_len, headerless))

@@ -76,7 +76,8 @@ def read_mc(path: str | Path) -> list[tuple[str, list[str], int]]:
             row = json.loads(line)
         except ValueError as e:
             raise DataError(f"{path}:{number}: not a JSON line ({e})") from None
-        ctx, endings, label = (row.get(k) for k in ("ctx", "endings", "label")) if isinstance(row, dict) else (None,) * 3
+        row = row if isinstance(row, dict) else {}
+        ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
         if not (isinstance(ctx, str) and isinstance(endings, list) and len(endings) >= 2
                 and all(isinstance(e, str) and e for e in endings)):
             raise DataError(f"{path}:{number}: needs \"ctx\" (text) and \"endings\" (a list of 2 or more texts)")

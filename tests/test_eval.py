@@ -159,3 +159,21 @@ def test_bos_mixture_and_mc_under_torchrun_follow_one_process(tiny_data, tmp_pat
                 assert (key in got) == (key in want)
                 if key in want:
                     assert got[key] == pytest.approx(want[key], rel=1e-3), (name, key, got, want)
+
+
+@pytest.mark.slow
+def test_mc_eval_under_compile_matches_eager_and_training_does_not_recompile(tiny_data, tmp_path):
+    mc = tmp_path / "mc.jsonl"
+    mc.write_text("\n".join(map(json.dumps, mc_rows())))
+    args = [*TINY, "--data", str(tiny_data), "--eval-mc", str(mc), "--max-steps", "4", "--eval-every", "2",
+            "--log-every", "1", "--eval-tokens", "256"]
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        result = run_train(*args, *extra, "--out", str(tmp_path / name))
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    evals = {name: [r for r in records if "mc_acc" in r] for name, records in runs.items()}
+    assert [r["step"] for r in evals["compiled"]] == [2, 4]
+    for got, want in zip(evals["compiled"], evals["eager"], strict=True):
+        assert got["mc_acc"] == want["mc_acc"] and got["val_bpb"] == pytest.approx(want["val_bpb"], rel=1e-4)
+    assert [r["recompiles"] for r in runs["compiled"] if "loss" in r and r["step"] > 1] == [0, 0, 0]

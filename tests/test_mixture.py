@@ -2,6 +2,9 @@
 ranks and exact on resume; every mistake in the spec is one line naming it."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -106,3 +109,18 @@ def test_mixture_mistakes_are_one_line_naming_them(case, two_sets, tmp_path, cap
     code, _, err = run_main(train.main, [*TINY, "--data", spec, "--out", str(tmp_path / "run"), "--max-steps", "1"],
                             capsys)
     assert_one_line_error(code, err, named)
+
+
+def test_a_bos_mixture_run_resumed_from_its_checkpoint_logs_what_the_whole_run_logs(two_sets, tmp_path, capsys):
+    args = [*TINY, "--data", f"{two_sets / 'web'}:0.6,{two_sets / 'code'}:0.4", "--packing", "bos",
+            "--max-steps", "6", "--log-every", "1", "--ckpt-every", "3", "--eval-every", "3", "--eval-tokens", "256"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert run_main(train.main, [*args, "--out", str(whole)], capsys)[0] == 0
+    resumed.mkdir()
+    shutil.copy(whole / "ckpt_00000003.pt", resumed / "ckpt_00000003.pt")
+    assert run_main(train.main, [*args, "--out", str(resumed), "--resume"], capsys)[0] == 0
+
+    def after_step_3(run):
+        return [{k: r[k] for k in ("step", "loss", "val_loss", "val_bpb") if k in r}
+                for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["step"] > 3]
+    assert after_step_3(resumed) == after_step_3(whole) and len(after_step_3(whole)) == 4  # 3 train + 1 eval
