@@ -25,7 +25,7 @@ from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, Train
                            parse_args, profile_steps, resolve, to_toml)
 from fastpt.data import Source, TrainLoader, common_vocab, data_sources, describe_data, open_windows
 from fastpt.errors import CheckpointError, ConfigError, DataError, print_or_drop, run_command
-from fastpt.evaluate import Evaluator, describe_eval, evaluate  # noqa: F401 (evaluate: train.evaluate stays)
+from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.files import lock
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
