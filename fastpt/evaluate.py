@@ -104,7 +104,10 @@ class MultipleChoice:
         prefix = [tok.eot_id] if tok.eot_id is not None else []  # every training document starts with it
         self.rows: list[tuple[list[Choice], int]] = []
         for ctx, endings, label in rows:
-            ctx_ids, *ending_ids = tok.encode_batch([ctx, *endings])
+            try:
+                ctx_ids, *ending_ids = tok.encode_batch([ctx, *endings])
+            except DataError as e:  # a character the data's char vocabulary lacks
+                raise DataError(f"'eval_mc' {path}: {e}") from None
             choices = []
             for text, ids in zip(endings, ending_ids):
                 tokens = (prefix + ctx_ids + ids)[-(seq_len + 1):]

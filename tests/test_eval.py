@@ -103,6 +103,7 @@ MC_MISTAKES = {
     "label out of range": ('{"ctx": "a", "endings": ["b", "c"], "label": 2}\n', ":1:"),
     "endings not a list": ('\n{"ctx": "a", "endings": "bc", "label": 0}\n', ":2:"),
     "no rows": ("\n", "no rows"),
+    "no such file": (None, "cannot read it"),
 }
 
 
@@ -110,7 +111,8 @@ MC_MISTAKES = {
 def test_a_malformed_mc_file_is_one_line_naming_file_and_line(case, tiny_data, tmp_path, capsys):
     text, named = MC_MISTAKES[case]
     mc = tmp_path / "mc.jsonl"
-    mc.write_text(text)
+    if text is not None:
+        mc.write_text(text)
     code, _, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"),
                                          "--eval-mc", str(mc), "--max-steps", "1"], capsys)
     assert_one_line_error(code, err, str(mc), named)
