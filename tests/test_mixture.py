@@ -8,13 +8,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from conftest import TINY, assert_one_line_error, run_main
+
 from fastpt import train
 from fastpt.config import resolve
-from fastpt.data import Mixture, TrainLoader, Windows, data_sources, quotas
+from fastpt.data import TrainLoader, data_sources
 from fastpt.prepare import prepare
 from fastpt.shards import write_shard
+from fastpt.windows import Mixture, Windows, quotas
 
 SEQ = 7
 

@@ -6,11 +6,12 @@ import json
 
 import numpy as np
 import torch
-
 from conftest import TINY, assert_one_line_error, run_main
+
 from fastpt import train
-from fastpt.data import BosWindows, TrainLoader, best_fit, doc_token
+from fastpt.data import TrainLoader, doc_token
 from fastpt.shards import write_shard
+from fastpt.windows import BosWindows, best_fit
 
 DOC = 1000  # the document token of the synthetic shards
 HEAD, LONG = 998, 999  # ids of a shard's leading partial document and of a long document
