@@ -7,9 +7,15 @@ A checkpoint is `ckpt_{step:08d}` in the run folder, one of two kinds:
   FSDP, plus STATE_FILE with the rest of the state (step, loader, RNG, ...).
 Model and optimizer state are keyed by parameter name in both, so either kind resumes in any
 layout and world size: a file is sharded on load, a directory is resharded by DCP.
+
+Loading never runs code from the file: `torch.load(weights_only=True)` for files, a restricted
+unpickler for DCP's metadata and its non-tensor items. A checkpoint holds tensors and plain Python
+values only (NumPy's RNG state as a tensor); NumPy arrays are allowed too, for checkpoints that
+earlier releases wrote (their NumPy RNG state was an array).
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -18,10 +24,15 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -132,20 +143,95 @@ def tokenizer_of(path: Path, ckpt: dict) -> Path | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
+# What earlier releases' checkpoints hold beyond tensors and plain values: NumPy's RNG state array.
+LEGACY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.zeros(0).__reduce__()[0]]  # last: _reconstruct
+
+
+def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
+    """One line for a file that the weights-only unpickler would not read: refused, naming the
+    global or class it would have called; a file that is no pickle at all, with the reason."""
+    named = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
+    if named:
+        return CheckpointError(f"refused to load {file}: it names {named.group(1) or named.group(2)}, which a fastpt "
+                               "checkpoint never holds and loading could run code (re-save a trusted one as plain "
+                               "tensors and values)")
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    after = [b for a, b in zip(lines, lines[1:]) if "WeightsUnpickler error" in a]  # torch's own reason
+    reason = (after or lines or [type(e).__name__])[0]
+    return CheckpointError(f"could not read checkpoint {file}: {reason}")
+
+
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     """The whole state of a file; of a shard directory, all but the model and optimizer
-    (load_state reads those)."""
+    (load_state reads those). Nothing in the file runs: see the module's docstring."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     try:
-        ckpt = torch.load(file, map_location=map_location, weights_only=False)
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, AttributeError,
-            ModuleNotFoundError) as e:
+        with torch.serialization.safe_globals(LEGACY_GLOBALS):
+            ckpt = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise unpickling_error(file, e) from None
+    except (OSError, RuntimeError, EOFError, ValueError, AttributeError, ModuleNotFoundError) as e:
         raise CheckpointError(f"could not read checkpoint {file}: {str(e).splitlines()[0]}") from None
     missing = [k for k in REQUIRED_KEYS if not (isinstance(ckpt, dict) and k in ckpt)]
     if missing:
         raise CheckpointError(f"{file} is not a fastpt checkpoint (no {', '.join(map(repr, missing))})")
     return ckpt
+
+
+# The classes DCP's .metadata pickle is made of; anything else in it is refused.
+DCP_GLOBALS = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): Path,
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_GLOBALS:
+            return DCP_GLOBALS[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's reader, its metadata read by _MetadataUnpickler instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        file = Path(self.path) / ".metadata"
+        try:
+            with open(file, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise unpickling_error(file, e) from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's planner, its non-tensor items (optimizer hyperparameters) read with weights_only=True."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise unpickling_error(self.path / f"item {read_item.dest_index.fqn!r}", e) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def load_state(path: Path, ckpt: dict, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -166,9 +252,13 @@ def load_state(path: Path, ckpt: dict, model: nn.Module, optimizer: torch.optim.
         state = {"model": model_state, "optimizer": optim_state}
         with warnings.catch_warnings():  # reading a sharded checkpoint in one process is intended
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, checkpoint_id=path)
+            dcp.load(state, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafePlanner(path))
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     except (OSError, RuntimeError, KeyError, ValueError, CheckpointException) as e:
+        if isinstance(e, CheckpointException):  # DCP wraps what each rank raised
+            e = next(iter(e.failures.values()))[0]
+        if isinstance(e, CheckpointError):
+            raise e from None
         raise CheckpointError(f"could not load model and optimizer state from {path}: "
                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 

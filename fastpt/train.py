@@ -134,7 +134,10 @@ def check_runtime(cfg: TrainConfig, device: torch.device) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain values, which torch.load(weights_only=True) reads."""
+    numpy = np.random.get_state(legacy=False)  # {"bit_generator", "state": {"key": uint32 array, "pos"}, ...}
+    numpy["state"]["key"] = torch.from_numpy(numpy["state"]["key"].astype(np.int64))
+    state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -142,9 +145,14 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     """Generators take their state as CPU byte tensors only; a checkpoint loaded onto the GPU
-    (map_location=device) brings these back as CUDA tensors."""
+    (map_location=device) brings these back as CUDA tensors. Earlier releases stored NumPy's state
+    as its legacy tuple, which set_state takes as it is."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    if isinstance(numpy, dict):
+        key = numpy["state"]["key"].cpu().numpy().astype(np.uint32)
+        numpy = {**numpy, "state": {**numpy["state"], "key": key}}
+    np.random.set_state(numpy)
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
