@@ -127,3 +127,113 @@ def test_a_dcp_folder_resumes_through_the_safe_reader(reference, tiny_data, tmp_
     assert code == 0, err
     assert f"resumed from {run_dir / 'ckpt_00000004'} at step 4" in out
     assert losses(run_dir) == losses(reference)
+
+
+# ---- state registered once
+
+class Counter:
+    """A Stateful of a feature's own (what a new piece of loop state looks like)."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def two_optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """AdamW on the matrices and SGD with momentum on the rest: state of two kinds over disjoint parameters."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    return [torch.optim.AdamW(matrices, lr=1e-2), torch.optim.SGD(others, lr=1e-2, momentum=0.9)]
+
+
+def test_a_checkpointer_saves_and_restores_every_registered_state_with_several_optimizers(tmp_path):
+    from fastpt.model import Transformer
+    from test_core import small_model
+
+    torch.manual_seed(0)
+    model, x = small_model(), torch.randint(0, 97, (2, 16))
+    optimizers = two_optimizers(model)
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+        for opt in optimizers:
+            opt.step()
+    meta = {"model_config": {"dim": 128}, "note": "plain values beside the states"}
+    states = {"model": checkpoint.ModelState(model), "optimizer": checkpoint.OptimizerState(model, optimizers),
+              "counter": Counter(7), "train_state": Counter(2)}
+    path = checkpoint.Checkpointer(tmp_path, states, meta).save(2)
+    assert path == tmp_path / "ckpt_00000002.pt"
+    saved = torch.load(path, weights_only=True)
+    assert saved["note"] == meta["note"] and saved["counter"] == {"n": 7}
+
+    fresh = Transformer(model.cfg)
+    fresh_optimizers = two_optimizers(fresh)
+    counter = Counter()
+    restored = checkpoint.Checkpointer(tmp_path, {
+        "model": checkpoint.ModelState(fresh), "optimizer": checkpoint.OptimizerState(fresh, fresh_optimizers),
+        "counter": counter, "train_state": Counter()}, meta).restore(torch.device("cpu"))
+    assert restored == path and counter.n == 7
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    for before, after in zip(optimizers, fresh_optimizers):
+        for p, q in zip(before.param_groups[0]["params"], after.param_groups[0]["params"]):
+            assert before.state[p].keys() == after.state[q].keys()
+            assert all(torch.equal(before.state[p][k], after.state[q][k]) for k in before.state[p])
+    assert isinstance(fresh_optimizers[1].state[fresh_optimizers[1].param_groups[0]["params"][0]]["momentum_buffer"],
+                      torch.Tensor)
+
+
+def test_a_state_the_checkpoint_lacks_is_one_line_naming_it(tmp_path):
+    from test_core import small_model
+
+    model = small_model()
+    checkpoint.Checkpointer(tmp_path, {"model": checkpoint.ModelState(model), "train_state": Counter()},
+                            {"model_config": {}}).save(1)
+    with pytest.raises(checkpoint.CheckpointError, match="could not load the counter state from .*ckpt_00000001.pt"):
+        checkpoint.Checkpointer(tmp_path, {"model": checkpoint.ModelState(model), "counter": Counter(),
+                                           "train_state": Counter()}, {}).restore(torch.device("cpu"))
+
+
+# ---- process state: what an in-process train.main leaves behind
+
+def test_in_process_train_main_leaves_handlers_and_lock_as_it_found_them(tiny_data, tmp_path, capsys):
+    import fcntl
+    import signal
+    import sys
+
+    def ours(signum, frame):
+        pass
+
+    previous = {sig: signal.signal(sig, ours) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        hook = sys.excepthook
+        code, out, err = run_main(train.main, run_args(tiny_data, tmp_path / "run", "--max-steps", "2"), capsys)
+        assert code == 0, err
+        assert signal.getsignal(signal.SIGTERM) is ours and signal.getsignal(signal.SIGINT) is ours
+        assert sys.excepthook is hook and "interrupt" not in getattr(sys.excepthook, "__qualname__", "")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert out.startswith(f"run {tmp_path / 'run'} | device cpu")  # the summary names the run folder
+    with open(tmp_path / "run" / ".lock") as f:  # the run lock was released when main returned
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_eta_follows_the_steady_pace_after_the_warm_up(monkeypatch):
+    from fastpt import metrics
+
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    pace = metrics.Pace()
+    now[0] += 100.0  # the first window: 10 steps and a compilation
+    pace.lap(10)
+    assert pace.eta(90) == pytest.approx(900.0)  # no steady pace yet: the first window's
+    for seconds in (10.0, 14.0, 6.0):  # then 1 s a step on average, an eval paused out of one window
+        with pace.paused():
+            now[0] += 50.0
+        now[0] += seconds
+        pace.lap(10)
+    assert pace.eta(60) == pytest.approx(60.0)
