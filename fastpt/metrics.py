@@ -58,7 +58,6 @@ class Pace:
         self.start = time.perf_counter()
         self.laps = 0
         self.steady_s, self.steady_steps = 0.0, 0  # after the first lap
-        self.last_per_step = 0.0
 
     @contextlib.contextmanager
     def paused(self):
@@ -76,14 +75,14 @@ class Pace:
             self.steady_s += elapsed
             self.steady_steps += steps
         self.laps += 1
-        self.last_per_step = elapsed / steps
         return elapsed
 
-    def eta(self, steps_left: int) -> float:
-        """Seconds until `steps_left` more steps are done, at the steady pace (before there is
-        one, the first window's)."""
-        per_step = self.steady_s / self.steady_steps if self.steady_steps else self.last_per_step
-        return steps_left * per_step
+    def eta(self, steps_left: int) -> float | None:
+        """Seconds until `steps_left` more steps are done at the steady pace; None while there is
+        none yet (the first window, compilation and all, says little about the rest)."""
+        if not steps_left:
+            return 0.0
+        return steps_left * self.steady_s / self.steady_steps if self.steady_steps else None
 
 
 def fmt_duration(seconds: float) -> str:
@@ -122,12 +121,12 @@ class Dashboard:
             record["z_loss"] = (state.window_z_loss / steps).item()
         return record
 
-    def line(self, r: dict, eta_s: float) -> str:
+    def line(self, r: dict, eta_s: float | None) -> str:
         return (f"Step {r['step']:5d}/{self.max_steps} | Loss: {r['loss']:.4f} | PPL: {r['ppl']:.2f} | "
                 + (f"Z: {r['z_loss']:.2e} | " if self.z_loss else "")
                 + f"LR: {r['lr']:.2e} | Norm: {r['grad_norm']:.3f} | Mem: {r['peak_mem_gib']:.2f} GiB | "
                 f"Speed: {r['tok_s']:,.0f} tok/s" + (f" | MFU: {r['mfu']:.1%}" if r["mfu"] is not None else "")
-                + (f" | Recompiles: {r['recompiles']}" if self.compile else "") + f" | ETA {fmt_duration(eta_s)}")
+                + (f" | Recompiles: {r['recompiles']}" if self.compile else "") + f" | ETA {'after warm-up' if eta_s is None else fmt_duration(eta_s)}")
 
     def eval_record(self, step: int, val_loss: float) -> dict:
         return {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 20.0))}
