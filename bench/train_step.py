@@ -40,11 +40,21 @@ from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
 from fastpt.metrics import peak_flops, peak_mem_gib
-from fastpt.model import Transformer
+from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer
 from fastpt.profiling import compiled_graphs
 from fastpt.shards import write_shard
 from fastpt.train import train_step
+
+
+
+class Baseline(baseline.GPT):
+    """The peer, its seed-style (logits, loss, None) returned as the LossOutput train_step reads."""
+
+    def forward(self, idx, labels=None):
+        _, loss, _ = super().forward(idx, labels)
+        return LossOutput(None, loss, loss.detach().new_zeros(()))
+
 
 # (autotune, cudagraphs) -> torch.compile mode
 COMPILE_MODES = {(False, False): "default", (True, False): "max-autotune-no-cudagraphs",
@@ -139,7 +149,7 @@ def build(setup: Setup, mode: Mode) -> Run:
     fastpt_model = Transformer(cfg, backend, activation_checkpointing=mode.activation_checkpointing)
     betas = (TRAIN.beta1, TRAIN.beta2)
     if mode.impl == "baseline":
-        model = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
+        model = Baseline(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
                                                 cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta,
                                                 cfg.tie_embeddings))
         model.load_llama_state(fastpt_model.state_dict())

@@ -4,12 +4,21 @@ model / optimizer state that moves between layouts and world sizes.
 A checkpoint is `ckpt_{step:08d}` in the run folder, one of two kinds:
 - `ckpt_N.pt`, one file written by rank 0 when every rank holds the full state (one process, DDP);
 - `ckpt_N/`, a directory of torch.distributed.checkpoint (DCP) shards written by every rank under
-  FSDP, plus STATE_FILE with the rest of the state (step, loader, RNG, ...).
-Model and optimizer state are keyed by parameter name in both, so either kind resumes in any
+  FSDP, plus STATE_FILE with the rest of the state (loader, RNG, the loop's state, ...).
+What a checkpoint holds is registered once, as torchtitan's CheckpointManager takes it: a name ->
+Stateful (an object with state_dict() / load_state_dict()) mapping that `Checkpointer` saves and
+restores, plus plain values saved beside them (the configs). The step is the `train_state`'s.
+Model and optimizer state are keyed by parameter name in both kinds, so either resumes in any
 layout and world size: a file is sharded on load, a directory is resharded by DCP.
+
+Loading never runs code from the file: `torch.load(weights_only=True)` for files, a restricted
+unpickler for DCP's metadata and its non-tensor items. A checkpoint holds tensors and plain Python
+values only (NumPy's RNG state as a tensor); NumPy arrays are allowed too, for checkpoints that
+earlier releases wrote (their NumPy RNG state was an array).
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
@@ -17,23 +26,32 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
+from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
-from fastpt.errors import CheckpointError
+from fastpt.errors import CheckpointError, FastptError
 from fastpt.files import fsync_dir, write_atomic
 
-__all__ = ["checkpoints", "find", "latest", "load", "load_state", "restore", "save", "state_of", "tokenizer_of"]
+__all__ = ["Checkpointer", "ModelState", "OptimizerState", "Stateful", "apply", "checkpoints", "find", "latest",
+           "load", "restore", "save", "step_of", "tokenizer_of"]
 
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 STATE_FILE = "state.pt"
 TENSOR_KEYS = ("model", "optimizer")  # what DCP shards; the rest of a checkpoint is small and replicated
-REQUIRED_KEYS = ("model_config", "step")  # what tells a fastpt checkpoint from another program's torch file
+REQUIRED_KEYS = ("model_config", "train_state")  # what tells a fastpt checkpoint from another program's file
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:
@@ -51,10 +69,46 @@ def latest(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def state_of(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Model and optimizer state keyed by parameter name, the same for a plain, DDP or FSDP model
-    (under FSDP the tensors are this rank's DTensor shards)."""
-    return get_state_dict(model, optimizer)
+class Stateful(Protocol):
+    """What a checkpoint entry is (torch.distributed.checkpoint.stateful.Stateful's protocol)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+def _options(state: dict) -> StateDictOptions:
+    """Full tensors (a checkpoint file) are sharded on load; DTensor shards (read by DCP) load as they are."""
+    return StateDictOptions(full_state_dict=not any(isinstance(t, DTensor) for t in tree_leaves(state)))
+
+
+class ModelState:
+    """A model's parameters keyed by name, the same for a plain, DDP or FSDP model (under FSDP the
+    tensors are this rank's DTensor shards)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state, options=_options(state))
+
+
+class OptimizerState:
+    """The state of one or more optimizers over the model's parameters (AdamW and Muon over
+    disjoint parameters, say), merged into one dict keyed by parameter name by torch; one
+    optimizer's is what earlier releases saved."""
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]):
+        self.model, self.optimizers = model, list(optimizers)
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizers)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizers, state, options=_options(state))
 
 
 def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bool = True) -> Path | None:
@@ -132,48 +186,126 @@ def tokenizer_of(path: Path, ckpt: dict) -> Path | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
+# What earlier releases' checkpoints hold beyond tensors and plain values: NumPy's RNG state array.
+LEGACY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.zeros(0).__reduce__()[0]]  # last: _reconstruct
+
+
+def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
+    """One line for a file that the weights-only unpickler would not read: refused, naming the
+    global or class it would have called; a file that is no pickle at all, with the reason."""
+    named = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
+    if named:
+        return CheckpointError(f"refused to load {file}: it names {named.group(1) or named.group(2)}, which a fastpt "
+                               "checkpoint never holds and loading could run code (re-save a trusted one as plain "
+                               "tensors and values)")
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    after = [b for a, b in zip(lines, lines[1:]) if "WeightsUnpickler error" in a]  # torch's own reason
+    reason = (after or lines or [type(e).__name__])[0]
+    return CheckpointError(f"could not read checkpoint {file}: {reason}")
+
+
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     """The whole state of a file; of a shard directory, all but the model and optimizer
-    (load_state reads those)."""
+    (load_state reads those). Nothing in the file runs: see the module's docstring."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     try:
-        ckpt = torch.load(file, map_location=map_location, weights_only=False)
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, AttributeError,
-            ModuleNotFoundError) as e:
+        with torch.serialization.safe_globals(LEGACY_GLOBALS):
+            ckpt = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise unpickling_error(file, e) from None
+    except (OSError, RuntimeError, EOFError, ValueError, AttributeError, ModuleNotFoundError) as e:
         raise CheckpointError(f"could not read checkpoint {file}: {str(e).splitlines()[0]}") from None
+    if isinstance(ckpt, dict) and "train_state" not in ckpt and "step" in ckpt:  # from before TrainState
+        ckpt["train_state"] = {k: v for k, v in ckpt.items() if k not in TENSOR_KEYS}
     missing = [k for k in REQUIRED_KEYS if not (isinstance(ckpt, dict) and k in ckpt)]
     if missing:
         raise CheckpointError(f"{file} is not a fastpt checkpoint (no {', '.join(map(repr, missing))})")
     return ckpt
 
 
-def load_state(path: Path, ckpt: dict, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load model (and optimizer) state from either kind of checkpoint into this run's layout.
-
-    `ckpt` is what `load` returned: a single file carries full tensors, which set_state_dict
-    shards under FSDP; a directory's tensors are read by DCP, resharded to this world size (or
-    gathered whole for a plain or DDP run, or for sampling).
-    """
-    optimizers = [optimizer] if optimizer else []
-    try:
-        if "model" in ckpt:
-            set_state_dict(model, optimizers, model_state_dict=ckpt["model"],
-                           optim_state_dict=ckpt["optimizer"] if optimizer else {},
-                           options=StateDictOptions(full_state_dict=True))
-            return
-        model_state, optim_state = get_state_dict(model, optimizers)  # the layout to read into
-        state = {"model": model_state, "optimizer": optim_state}
-        with warnings.catch_warnings():  # reading a sharded checkpoint in one process is intended
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    except (OSError, RuntimeError, KeyError, ValueError, CheckpointException) as e:
-        raise CheckpointError(f"could not load model and optimizer state from {path}: "
-                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+# The classes DCP's .metadata pickle is made of; anything else in it is refused.
+DCP_GLOBALS = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("pathlib", "PosixPath"): Path,
+}
 
 
-def restore(run_dir: str | Path, map_location: torch.device, apply) -> tuple[Path, dict] | None:
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_GLOBALS:
+            return DCP_GLOBALS[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of a DCP checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's reader, its metadata read by _MetadataUnpickler instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        file = Path(self.path) / ".metadata"
+        try:
+            with open(file, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            raise unpickling_error(file, e) from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's planner, its non-tensor items (optimizer hyperparameters) read with weights_only=True."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise unpickling_error(self.path / f"item {read_item.dest_index.fqn!r}", e) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
+    """Load each registered state from checkpoint `ckpt` (what `load` returned for `path`).
+
+    A file carries full tensors, which the model and optimizer shard under FSDP; a directory's
+    are read by DCP into each state's own layout, resharded to this world size (or gathered whole
+    for a plain or DDP run, or for sampling)."""
+    for name, stateful in states.items():
+        try:
+            if name in TENSOR_KEYS and path.is_dir():
+                layout = {name: stateful.state_dict()}  # what to read into
+                with warnings.catch_warnings():  # reading a sharded checkpoint in one process is intended
+                    warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+                    dcp.load(layout, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafePlanner(path))
+                stateful.load_state_dict(layout[name])
+            else:
+                stateful.load_state_dict(ckpt[name])
+        except (OSError, RuntimeError, KeyError, ValueError, CheckpointException) as e:
+            if isinstance(e, CheckpointException):  # DCP wraps what each rank raised
+                e = next(iter(e.failures.values()))[0]
+            if isinstance(e, FastptError):  # a refused file (CheckpointError), a loader that does not fit the data
+                raise type(e)(str(e) if str(path) in str(e) else f"{path}: {e}") from None
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"could not load the {name} state from {path}: {reason}") from None
+
+
+def restore(run_dir: str | Path, map_location: torch.device,
+            apply: Callable[[Path, dict], None]) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads: `apply(path, ckpt)` puts it into the run (and may raise
     CheckpointError too). A damaged newer one is skipped with a warning that says why; None when
     the folder holds no checkpoint, CheckpointError when none of them loads."""
@@ -191,3 +323,32 @@ def restore(run_dir: str | Path, map_location: torch.device, apply) -> tuple[Pat
     if reasons:
         raise CheckpointError(f"no checkpoint in {run_dir} loads; newest: {reasons[0]}")
     return None
+
+
+def step_of(ckpt: dict) -> int:
+    return ckpt["train_state"]["step"]
+
+
+class Checkpointer:
+    """A run's checkpointed state, registered once: `states` maps each name to a Stateful (model,
+    optimizers, scaler, loader, RNG, the loop's TrainState, ...), `meta` holds plain values saved
+    beside them (the model and train configs). A new piece of state is one more entry here."""
+
+    def __init__(self, run_dir: Path, states: dict[str, Stateful], meta: dict, keep: int = 3, is_main: bool = True):
+        self.run_dir, self.states, self.meta, self.keep, self.is_main = run_dir, states, meta, keep, is_main
+
+    def save(self, step: int) -> Path | None:
+        """Checkpoint `step` (see `save`): the path on the main rank, None elsewhere."""
+        state = {name: stateful.state_dict() for name, stateful in self.states.items()}
+        return save(self.run_dir, step, {**state, **self.meta}, self.keep, self.is_main)
+
+    def restore(self, map_location: torch.device,
+                check: Callable[[Path, dict], None] = lambda path, ckpt: None) -> Path | None:
+        """Load every registered state from the newest checkpoint that loads (`check(path, ckpt)`
+        first, to refuse one that does not fit); None when the run folder has none."""
+        def put(path: Path, ckpt: dict) -> None:
+            check(path, ckpt)
+            apply(path, ckpt, self.states)
+
+        found = restore(self.run_dir, map_location, put)
+        return found[0] if found else None

@@ -133,6 +133,7 @@ POSITIVE = Interval(0, low_open=True)
 NON_NEGATIVE = Interval(0)
 UNIT = Interval(0, 1)
 BETA = Interval(0, 1, high_open=True)
+SEED = Interval(0, 2**32 - 1)  # what NumPy's seed takes
 
 
 def setting(default: Any, help: str, *, choices: tuple = (), domain: Interval | None = None) -> Any:
@@ -220,16 +221,17 @@ class TrainConfig:
     on_nonfinite: str = setting("stop", "on a NaN/inf loss or gradient: stop, or skip the update",
                                 choices=("stop", "skip"))
     max_skips: int = setting(10, "stop after this many skipped updates in a row", domain=POSITIVE)
-    seed: int = setting(1337, "seed for init and data order", domain=Interval(0, 2**32 - 1))  # NumPy's range
+    seed: int = setting(1337, "seed for init and data order", domain=SEED)
     tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
     wandb: str = setting("", "Weights & Biases project to log to; '' = off")
 
 
-# On a CPU the zero-config run must finish in minutes: these replace the defaults there
-# (a TOML file or flag still wins).
+# On a CPU the zero-config run must finish in minutes, on a loaded 2-core machine too (README,
+# Quick start: measured), with a visibly falling loss: these replace the defaults there (a TOML
+# file or flag still wins).
 CPU_PROFILE: dict[str, Any] = dict(
-    preset="tiny", max_steps=1000, warmup_steps=50, micro_batch=16, grad_accum=1,
-    seq_len=128, lr=2e-3, dtype="fp32", eval_every=250, eval_tokens=32768, ckpt_every=250,
+    preset="tiny", max_steps=300, warmup_steps=30, micro_batch=16, grad_accum=1,
+    seq_len=128, lr=2e-3, dtype="fp32", eval_every=100, eval_tokens=32768, ckpt_every=100,
     log_every=10, out="runs/cpu",
 )
 
@@ -292,6 +294,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                           f"got {cfg.grad_accum}: raise micro_batch instead")
     if not cfg.out.strip():  # an unset shell variable: the run would fill the current folder
         raise ConfigError("'out' is empty: give the run folder (--out DIR)")
+    if cfg.parallel == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:
+        raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} uses CUDA graphs, which FSDP's per-step "
+                          "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'")
     if cfg.parallel == "fsdp" and cfg.dtype == "fp16":
         raise ConfigError("'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
                           "would check only this rank's gradient shards for overflow")

@@ -3,6 +3,7 @@ DDP or FSDP2, and the cross-rank reductions the loop needs. (Checkpoints of eith
 checkpoint.py.)"""
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -13,9 +14,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from fastpt.config import CUDA_GRAPH_MODES
-from fastpt.errors import ConfigError
 
 
 @dataclass
@@ -63,9 +61,6 @@ def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype,
     fully_shard works in place, so under FSDP the model itself is returned.
     """
     sharded = d.enabled and parallel == "fsdp"
-    if sharded and compile_mode in CUDA_GRAPH_MODES:
-        raise ConfigError(f"'compile_mode' = {compile_mode!r} uses CUDA graphs, which FSDP's per-step "
-                          "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'")
     if compile_mode:
         for module in model.layers if sharded else [model]:
             module.compile(mode=compile_mode, dynamic=False)
@@ -75,8 +70,11 @@ def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype,
         shard(model, dtype)
         return model
     # The RoPE tables are the only buffers and they are constants: nothing to broadcast per step.
+    # torch 2.13 renamed broadcast_buffers (now deprecated, with a warning per rank) forward_sync_buffers.
     device = next(model.parameters()).device
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+               else {"broadcast_buffers": False})
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
 def shard(model: nn.Module, dtype: torch.dtype) -> None:

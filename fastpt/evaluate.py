@@ -40,8 +40,7 @@ def evaluate(model: nn.Module, windows: WindowSet, cfg: TrainConfig, device: tor
     for batch in eval_batches(windows, cfg.micro_batch, cfg.eval_tokens, device, d.rank, d.world_size):
         torch.compiler.cudagraph_mark_step_begin()  # each forward a CUDA-graph step of its own; else a no-op
         with autocast:
-            _, loss, z_loss = model(batch.x, labels=batch.y)
-        loss = loss if z_loss is None else loss - z_loss  # the cross-entropy alone
+            loss = model(batch.x, labels=batch.y).cross_entropy  # without the z-loss term
         counted = batch.y != -100  # (B, T)
         n = counted.sum()
         sums[0] += torch.where(n > 0, loss.double() * n, 0.0)  # all padding: its mean is 0 / 0
@@ -139,7 +138,7 @@ class MultipleChoice:
             x, y = self._batch(choices[i:i + self.micro_batch], device)  # (B, T) each
             torch.compiler.cudagraph_mark_step_begin()
             with autocast:
-                logits = model(x)[0]  # (B, T, V)
+                logits = model(x).logits  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none")  # (B*T,)
             nats.extend(loss.view(y.shape).sum(1).tolist()[:max(0, len(choices) - i)])
         model.train()

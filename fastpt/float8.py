@@ -8,12 +8,49 @@ that is not a multiple of 16, which float8 matmuls (torch._scaled_mm) cannot tak
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Iterator
+
 import torch
 import torch.nn as nn
 
 from fastpt.errors import ConfigError, require
 
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
+
+
+# What importing torchao logs that a float8 run has no use for: its prebuilt C++/CUDA extensions that
+# this torch build cannot load (float8 training is torch.compile's own code, not theirs), and the
+# newer torch's note on each Enum it registers. Dropped while fastpt imports it; everything else stays.
+IMPORT_NOISE = {"torchao": "Failed to load ", "torch.utils._pytree": "is an Enum subclass and is now natively"}
+
+
+@contextlib.contextmanager
+def quiet_import() -> Iterator[None]:
+    """Import torchao inside this: the IMPORT_NOISE records are dropped, nothing else."""
+    filters = {name: _Drop(text) for name, text in IMPORT_NOISE.items()}
+    for name, f in filters.items():
+        logging.getLogger(name).addFilter(f)
+    try:
+        yield
+    finally:
+        for name, f in filters.items():
+            logging.getLogger(name).removeFilter(f)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def require_torchao():
+    with quiet_import():
+        return require("torchao.float8", "--float8", "torchao")
 
 
 def check(device: torch.device) -> None:
@@ -24,7 +61,7 @@ def check(device: torch.device) -> None:
     if capability < MIN_CAPABILITY:
         raise ConfigError(f"'float8' needs compute capability >= 8.9; {torch.cuda.get_device_name(device)} "
                           f"has {capability[0]}.{capability[1]}")
-    require("torchao.float8", "--float8", "torchao")
+    require_torchao()
 
 
 def convertible(module: nn.Module, fqn: str) -> bool:
@@ -36,7 +73,7 @@ def convertible(module: nn.Module, fqn: str) -> bool:
 def convert(model: nn.Module) -> int:
     """Swap the convertible nn.Linear layers for torchao's Float8Linear, in place, before compiling
     and sharding (torchtitan's order); returns how many were converted."""
-    require("torchao.float8", "--float8", "torchao")
+    require_torchao()
     from torchao.float8 import convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import re
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,10 +50,14 @@ def peak_mem_gib(device: torch.device) -> float:
 
 class Pace:
     """Wall time of training since the last dashboard line, with evals and checkpoints left out
-    (their time, the first eval's compile included, is not training)."""
+    (their time, the first eval's compile included, is not training), and the steady pace that
+    the ETA follows: seconds per step since the first log window, which holds the warm-up
+    (compilation, first allocations), so one slow start does not promise hours."""
 
     def __init__(self):
         self.start = time.perf_counter()
+        self.laps = 0
+        self.steady_s, self.steady_steps = 0.0, 0  # after the first lap
 
     @contextlib.contextmanager
     def paused(self):
@@ -61,11 +67,66 @@ class Pace:
         finally:
             self.start += time.perf_counter() - t0
 
-    def lap(self) -> float:
-        """Seconds of training since the last lap; starts the next one."""
+    def lap(self, steps: int) -> float:
+        """Seconds of training since the last lap, which covered `steps` steps; starts the next one."""
         now = time.perf_counter()
         elapsed, self.start = now - self.start, now
+        if self.laps:
+            self.steady_s += elapsed
+            self.steady_steps += steps
+        self.laps += 1
         return elapsed
+
+    def eta(self, steps_left: int) -> float | None:
+        """Seconds until `steps_left` more steps are done at the steady pace; None while there is
+        none yet (the first window, compilation and all, says little about the rest)."""
+        if not steps_left:
+            return 0.0
+        return steps_left * self.steady_s / self.steady_steps if self.steady_steps else None
+
+
+def fmt_duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+@dataclass
+class Dashboard:
+    """The record that metrics.jsonl gets for each log window and eval, and the line printed for it."""
+    max_steps: int
+    tokens_per_step: int  # all ranks together
+    world_size: int
+    flops_per_step: float
+    peak_flops: float | None  # per GPU; None: no MFU (a CPU, an unknown GPU)
+    device: torch.device
+    z_loss: bool  # the run trains with a z-loss term: log it
+    compile: bool  # the run is compiled: show recompiles
+
+    def record(self, state, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_s: float,
+               recompiles: int) -> dict:
+        """The record of the log window that the loop's TrainState `state` has summed, `elapsed`
+        seconds of training long; reading the loss is the window's one wait for the device."""
+        steps = state.window_steps
+        loss = (state.window_loss / steps).item()
+        tok_s = steps * self.tokens_per_step / elapsed
+        mfu = self.flops_per_step * steps / elapsed / self.world_size / self.peak_flops if self.peak_flops else None
+        record = {
+            "step": state.step, "loss": loss, "ppl": math.exp(min(loss, 20.0)), "lr": lr,
+            "grad_norm": float(grad_norm), "tok_s": tok_s, "tok_s_per_gpu": tok_s / self.world_size, "mfu": mfu,
+            "peak_mem_gib": peak_mem_gib(self.device), "data_wait_pct": 100 * data_wait_s / elapsed,
+            "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps, "recompiles": recompiles,
+        }
+        if self.z_loss:
+            record["z_loss"] = (state.window_z_loss / steps).item()
+        return record
+
+    def line(self, r: dict, eta_s: float | None) -> str:
+        return (f"Step {r['step']:5d}/{self.max_steps} | Loss: {r['loss']:.4f} | PPL: {r['ppl']:.2f} | "
+                + (f"Z: {r['z_loss']:.2e} | " if self.z_loss else "")
+                + f"LR: {r['lr']:.2e} | Norm: {r['grad_norm']:.3f} | Mem: {r['peak_mem_gib']:.2f} GiB | "
+                f"Speed: {r['tok_s']:,.0f} tok/s" + (f" | MFU: {r['mfu']:.1%}" if r["mfu"] is not None else "")
+                + (f" | Recompiles: {r['recompiles']}" if self.compile else "") + f" | ETA {'after warm-up' if eta_s is None else fmt_duration(eta_s)}")
 
 
 def rewind(path: Path, step: int) -> None:

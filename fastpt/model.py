@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,27 @@ if not getattr(kernels, "__fastpt_kernels__", False):
     )
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class LogitsOutput(NamedTuple):
+    """What forward returns without labels (decoding, export checks). Read it by name; it still
+    unpacks as (logits, None, cache)."""
+    logits: torch.Tensor  # (B, T, V)
+    loss: None
+    cache: KVCache | None  # with kv_cache: the cache extended by this call's keys and values
+
+
+class LossOutput(NamedTuple):
+    """What forward returns with labels (training, eval). `_, loss, _ = model(x, labels=y)` unpacks
+    it as in the seed loop; fastpt's own code reads the fields by name."""
+    logits: None  # never materialized: the fused loss goes from the last hidden state to the loss
+    loss: torch.Tensor  # what backward takes: the mean cross-entropy plus the z-loss term
+    z_loss: torch.Tensor  # the z-loss term alone, detached, for logging (0 when z_loss is 0)
+
+    @property
+    def cross_entropy(self) -> torch.Tensor:
+        """The mean cross-entropy alone (detached): the number comparable across runs."""
+        return self.loss.detach() - self.z_loss
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +175,7 @@ class Transformer(nn.Module):
 
         ckpt = ckpt_io.load(path, device)
         model = cls(ModelConfig.from_dict(ckpt["model_config"])).to(device)
-        ckpt_io.load_state(path, ckpt, model)
+        ckpt_io.apply(path, ckpt, {"model": ckpt_io.ModelState(model)})
         return model.eval(), ckpt
 
     def reset_parameters(self) -> None:
@@ -172,9 +194,9 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None):
-        """idx (B, T) -> (logits (B, T, V), None, kv_cache or None); with labels (B, T), the loss
-        instead: (None, loss, its z-loss term (detached, for logging) or None when z_loss is 0)."""
+                kv_cache: KVCache | None = None) -> LogitsOutput | LossOutput:
+        """idx (B, T) -> LogitsOutput (logits (B, T, V), and the extended cache when given kv_cache);
+        with labels (B, T), LossOutput (the loss and its z-loss part) instead."""
         B, T = idx.shape
         past = kv_cache[0][0].shape[2] if kv_cache else 0
         if past + T > self.cfg.max_seq_len:
@@ -194,9 +216,10 @@ class Transformer(nn.Module):
                 h.flatten(0, 1), self.output_weight, labels.flatten(), z_loss=self.z_loss,
                 return_z_loss=self.z_loss > 0, backend=self.backend,
             )
-            return (None, *loss) if self.z_loss else (None, loss, None)
+            loss, z_loss = loss if self.z_loss else (loss, loss.detach().new_zeros(()))
+            return LossOutput(None, loss, z_loss)
         logits = F.linear(h, self.output_weight)  # (B, T, V)
-        return logits, None, new_cache if kv_cache is not None else None
+        return LogitsOutput(logits, None, new_cache if kv_cache is not None else None)
 
     def num_params(self) -> int:
         """Parameters, the tied embedding/head counted once."""

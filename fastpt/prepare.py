@@ -319,13 +319,17 @@ def cache_dir() -> Path:
 
 def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
     """The stdlib corpus, prepared once per interpreter version and tokenizer (a local BPE of
-    `vocab_size`, or the given tokenizer.json, e.g. the one of an --init-from model), then reused."""
+    `vocab_size`, or the given tokenizer.json, e.g. the one of an --init-from model), then reused.
+    A given tokenizer is known by its bytes: a corpus already prepared with a byte-identical one
+    (the local BPE that a model exported from a default run carries along) is reused as it is."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
     if tokenizer is None:
         out, kind = cache_dir() / f"stdlib-{version}-bpe{vocab_size}", "bpe"
     else:  # named by content: another model's tokenizer.json under the same path is another corpus
-        digest = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()[:16]
-        out, kind = cache_dir() / f"stdlib-{version}-tok{digest}", str(tokenizer)
+        content = Path(tokenizer).read_bytes()
+        out, kind = cache_dir() / f"stdlib-{version}-tok{hashlib.sha256(content).hexdigest()[:16]}", str(tokenizer)
+        out = next((c for c in sorted(cache_dir().glob(f"stdlib-{version}-*")) if (c / "meta.json").is_file()
+                    and (c / "tokenizer.json").is_file() and (c / "tokenizer.json").read_bytes() == content), out)
     if not (out / "meta.json").is_file():
         print(f"preparing the default corpus (Python stdlib sources) into {out} (once)", flush=True)
         # in this process: the trainer has imported torch, and spawned workers would import it again

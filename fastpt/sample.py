@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from fastpt import checkpoint, hf
-from fastpt.config import FIELDS, NON_NEGATIVE, POSITIVE
+from fastpt.config import NON_NEGATIVE, POSITIVE, SEED
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.model import Transformer
 from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
@@ -42,10 +42,11 @@ def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperatur
         if cache is None or cache[0][0].shape[2] == window:
             # RoPE positions are absolute, so a full cache cannot slide: refill it from the last half window.
             context = out[-(window if cache is None else window // 2):]
-            logits, _, cache = model(torch.tensor([context], device=device), kv_cache=[])
+            step = model(torch.tensor([context], device=device), kv_cache=[])
         else:
-            logits, _, cache = model(torch.tensor([out[-1:]], device=device), kv_cache=cache)
-        out.append(pick(logits[0, -1, :vocab], temperature, top_k))
+            step = model(torch.tensor([out[-1:]], device=device), kv_cache=cache)
+        cache = step.cache
+        out.append(pick(step.logits[0, -1, :vocab], temperature, top_k))
     return out
 
 
@@ -65,7 +66,7 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
         return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face Llama, {model.num_params():,} params"
     ckpt_path = checkpoint.find(path)
     model, ckpt = Transformer.from_checkpoint(ckpt_path, device)
-    about = f"{ckpt_path}: step {ckpt['step']}, {model.num_params():,} params"
+    about = f"{ckpt_path}: step {checkpoint.step_of(ckpt)}, {model.num_params():,} params"
     return model, checkpoint.tokenizer_of(ckpt_path, ckpt), about
 
 
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1337, help="random seed for sampling (default: %(default)r)")
     args = ap.parse_args(argv)
     limits = {"num_samples": POSITIVE, "max_new_tokens": POSITIVE, "temperature": NON_NEGATIVE,
-              "top_k": NON_NEGATIVE, "seed": FIELDS["seed"].metadata["domain"]}
+              "top_k": NON_NEGATIVE, "seed": SEED}
     for name, domain in limits.items():
         if getattr(args, name) not in domain:
             raise ConfigError(f"'--{name.replace('_', '-')}' must be {domain}, got {getattr(args, name)!r}")

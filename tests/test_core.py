@@ -13,7 +13,7 @@ from fastpt import train
 from fastpt.config import PRESET_BATCH, PRESETS, TrainConfig, load_toml, model_config, resolve, to_toml
 from fastpt.data import TrainLoader, Windows
 from fastpt.errors import ConfigError, DataError
-from fastpt.model import Transformer
+from fastpt.model import LogitsOutput, LossOutput, Transformer
 from fastpt.optim import build_optimizer, lr_at, param_groups
 from fastpt.shards import read_shard, write_shard
 
@@ -85,28 +85,38 @@ def test_0_04b_preset_has_42m_parameters_and_tied_head():
     assert model.flops_per_token(1024) == 6 * n + 12 * 8 * 512 * 1024
 
 
-def test_model_returns_triple_and_ignores_minus_100():
+def test_model_returns_named_outputs_that_unpack_as_the_seed_loop_does_and_ignores_minus_100():
     torch.manual_seed(0)
     model = small_model()
     x = torch.randint(0, 97, (2, 16))
     y = x.clone()
-    logits, loss, cache = model(x, labels=y)
-    assert logits is None and cache is None and loss.shape == ()
+    out = model(x, labels=y)
+    assert isinstance(out, LossOutput) and out.logits is None and out.loss.shape == ()
+    assert out.z_loss == 0 and torch.equal(out.cross_entropy, out.loss.detach())  # no z-loss: the loss itself
+    _, loss, _ = model(x, labels=y)  # the seed loop's line
+    assert torch.equal(loss, out.loss)
     y_masked = y.clone()
     y_masked[:, 8:] = -100
-    full_logits, _, _ = model(x)
-    expected = nn.functional.cross_entropy(full_logits[:, :8].reshape(-1, 97), y[:, :8].reshape(-1))
-    torch.testing.assert_close(model(x, labels=y_masked)[1], expected)
+    decoded = model(x)
+    assert isinstance(decoded, LogitsOutput) and decoded.cache is None and decoded.logits.shape == (2, 16, 97)
+    expected = nn.functional.cross_entropy(decoded.logits[:, :8].reshape(-1, 97), y[:, :8].reshape(-1))
+    torch.testing.assert_close(model(x, labels=y_masked).loss, expected)
+    z_model = Transformer(model.cfg, z_loss=0.01)
+    z_model.load_state_dict(model.state_dict())
+    z_out = z_model(x, labels=y)
+    assert z_out.z_loss > 0 and not z_out.z_loss.requires_grad
+    torch.testing.assert_close(z_out.cross_entropy, out.loss.detach())  # the z part comes out exactly
+    torch.testing.assert_close(z_out.loss, out.loss + z_out.z_loss)
 
 
 def test_kv_cache_decoding_matches_full_forward():
     torch.manual_seed(0)
     model = small_model()
     x = torch.randint(0, 97, (1, 12))
-    full, _, _ = model(x)
-    logits, _, cache = model(x[:, :7], kv_cache=[])
+    full = model(x).logits
+    cache = model(x[:, :7], kv_cache=[]).cache
     for t in range(7, 12):
-        logits, _, cache = model(x[:, t:t + 1], kv_cache=cache)
+        logits, _, cache = model(x[:, t:t + 1], kv_cache=cache)  # unpacks positionally too
         torch.testing.assert_close(logits[:, -1], full[:, t], rtol=1e-4, atol=1e-5)
 
 
@@ -255,8 +265,8 @@ def test_checkpoint_resume_continues_at_the_right_step(tiny_data, tmp_path, caps
     common = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1", "--eval-every", "100"]
     code, _, err = run_main(train.main, common + ["--max-steps", "4", "--ckpt-every", "2"], capsys)
     assert code == 0, err
-    ckpt = torch.load(tmp_path / "ckpt_00000004.pt", weights_only=False)
-    assert ckpt["step"] == 4 and ckpt["optimizer"]["state"]
+    ckpt = torch.load(tmp_path / "ckpt_00000004.pt", weights_only=True)  # nothing but tensors and plain values
+    assert ckpt["train_state"]["step"] == 4 and "step" not in ckpt and ckpt["optimizer"]["state"]
     assert not any(k.startswith("_orig_mod.") for k in ckpt["model"])
     code, out, err = run_main(train.main, common + ["--max-steps", "6", "--resume"], capsys)
     assert code == 0, err

@@ -296,3 +296,25 @@ def test_init_from_without_data_prepares_the_default_corpus_with_the_models_toke
     code, _, err = run_main(train.main, args + ["--init-from", str(exported), "--data", str(tiny_data),
                                                 "--out", str(tmp_path / "bytes")], capsys)
     assert code == 0 and f"fastpt: warning: {tiny_data} was not prepared with {exported / 'tokenizer.json'}" in err
+
+
+def test_init_from_an_export_of_a_default_run_reuses_the_cached_default_corpus(tmp_path, monkeypatch, capsys):
+    """A default run (no --data) exported and continued with --init-from and no --data: the export's
+    tokenizer.json is byte-identical to the cached corpus's, so that corpus is reused, not prepared again."""
+    from test_data import few_stdlib_files
+
+    monkeypatch.setenv("FASTPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepare, "stdlib_sources", few_stdlib_files)
+    args = [*TINY, "--max-steps", "2", "--vocab-size", "512", "--out"]
+    code, out, err = run_main(train.main, args + [str(tmp_path / "first")], capsys)
+    assert code == 0 and "preparing the default corpus" in out, err
+    export.export(tmp_path / "first", tmp_path / "hf")
+    (corpus,) = (tmp_path / "cache").iterdir()
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
+    code, out, err = run_main(train.main, ["--init-from", str(tmp_path / "hf"), *args[:-3], "--out",
+                                           str(tmp_path / "continued")], capsys)
+    assert code == 0 and "preparing the default corpus" not in out and "warning" not in err, err
+    assert f"data {corpus}:" in out and list((tmp_path / "cache").iterdir()) == [corpus]
+    other = tmp_path / "other.json"  # a tokenizer that differs by one byte is another corpus
+    other.write_bytes((corpus / "tokenizer.json").read_bytes() + b" ")
+    assert prepare.default_corpus(512, other) != corpus

@@ -51,7 +51,7 @@ def log(self, record):
                 pass
 
 def save(obj, f, *args, **kwargs):
-    if fault == "kill-in-save" and obj["step"] == at:
+    if fault == "kill-in-save" and obj["train_state"]["step"] == at:
         f.write(b"half a checkpoint")
         f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
@@ -64,10 +64,10 @@ def forward(self, idx, labels=None, kv_cache=None):
         step = (train_forwards - 1) // accum + 1
         if fault == "kill-at-step" and step == at:  # in the middle of the step, before its update
             os.kill(os.getpid(), signal.SIGKILL)
-    logits, loss, cache = real_forward(self, idx, labels, kv_cache)
+    out = real_forward(self, idx, labels, kv_cache)
     if labels is not None and self.training and step in steps:  # "nan-at": poison these steps' losses
-        loss = loss * float("nan")
-    return logits, loss, cache
+        out = out._replace(loss=out.loss * float("nan"))
+    return out
 
 if fault == "file-size-limit":
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
@@ -110,7 +110,7 @@ def test_reference_run_keeps_the_last_k_checkpoints(reference):
     assert ckpt_names(reference) == ["ckpt_00000008.pt", "ckpt_00000010.pt"]
     assert (reference / "latest").read_text() == "ckpt_00000010.pt"
     state = checkpoint.load(checkpoint.latest(reference))
-    assert state["step"] == 10 and state["loader"]["windows_consumed"] == 10 * 2 * 4
+    assert checkpoint.step_of(state) == 10 and state["loader"]["windows_consumed"] == 10 * 2 * 4
     assert not any(k.startswith("_orig_mod.") for k in state["model"])  # loads into eager and compiled
     assert [s for s, _ in losses(reference)] == list(range(1, 11))
 
@@ -147,7 +147,7 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tiny_data, t
     assert killed.returncode == -signal.SIGKILL
     assert [p.name.split(".tmp")[0] for p in tmp_path.glob(".*.tmp*")] == [".ckpt_00000008.pt"]  # half written
     assert checkpoint.latest(tmp_path).name == "ckpt_00000004.pt"  # ... and never taken for a checkpoint
-    assert checkpoint.load(checkpoint.latest(tmp_path))["step"] == 4
+    assert checkpoint.step_of(checkpoint.load(checkpoint.latest(tmp_path))) == 4
     resumed = run_train(*run_args(tiny_data, tmp_path), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert losses(tmp_path) == losses(reference)
@@ -169,7 +169,7 @@ def test_preemption_checkpoints_exits_0_and_resumes(tiny_data, tmp_path, sig):
             time.sleep(0.05)
         proc.send_signal(sig)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
-    stopped = checkpoint.load(checkpoint.latest(tmp_path))["step"]
+    stopped = checkpoint.step_of(checkpoint.load(checkpoint.latest(tmp_path)))
     assert 1 <= stopped < 1000
     said = (tmp_path / "stdout.txt").read_text()
     assert f"preempted: stopped after step {stopped}; continue with --resume" in said
@@ -210,7 +210,7 @@ def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(reference
             "ckpt_00000010.pt is intact") in result.stderr
     assert "Traceback" not in result.stderr
     assert checkpoint.latest(run_dir).name == "ckpt_00000010.pt"
-    assert checkpoint.load(checkpoint.latest(run_dir))["step"] == 10
+    assert checkpoint.step_of(checkpoint.load(checkpoint.latest(run_dir))) == 10
     assert not list(run_dir.glob(".*.tmp*"))
 
 
@@ -346,7 +346,7 @@ def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(reference
     assert f"resumed from {run_dir / 'ckpt_00000008.pt'} at step 8" in result.stdout
     warnings = [line for line in result.stderr.splitlines() if "skipped a newer checkpoint" in line]
     assert len(warnings) == 2, result.stderr
-    assert f"{run_dir / 'ckpt_00000011.pt'} is not a fastpt checkpoint (no 'model_config', 'step')" in warnings[0]
+    assert f"{run_dir / 'ckpt_00000011.pt'} is not a fastpt checkpoint (no 'model_config', 'train_state')" in warnings[0]
     assert f"could not read checkpoint {newest}" in warnings[1]
     assert losses(run_dir) == losses(reference)  # steps 9 and 10 trained again, identically
 
@@ -436,7 +436,7 @@ def test_a_second_trainer_on_the_same_folder_is_refused_and_a_killed_one_leaves_
                                  f"on {socket.gethostname()}); wait for it to end or choose another --out\n")
         first.kill()
         first.wait()
-    saved = checkpoint.load(checkpoint.latest(tmp_path / "run"))["step"]
+    saved = checkpoint.step_of(checkpoint.load(checkpoint.latest(tmp_path / "run")))
     third = run_train(*args, "--max-steps", str(saved + 1), "--resume")  # SIGKILL left no stale lock
     assert third.returncode == 0, third.stderr
 

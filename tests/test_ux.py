@@ -207,3 +207,12 @@ def test_a_mistyped_command_line_is_one_line_for_every_command(command, capsys):
     code, out, err = run_main(command.main, ["--bogus", "x"], capsys)
     assert_one_line_error(code, err, "command line: ")
     assert "usage:" not in out + err
+
+
+def test_importing_torchao_for_float8_prints_nothing():
+    """torchao logs a line per prebuilt extension this torch cannot load, and torch one per Enum it
+    registers; fastpt's float8 import drops exactly those."""
+    pytest.importorskip("torchao")
+    result = subprocess.run([sys.executable, "-c", "from fastpt import float8; float8.require_torchao()"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0 and result.stderr == "", result.stderr

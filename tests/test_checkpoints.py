@@ -1,0 +1,243 @@
+"""Checkpoints: loading one never runs code from it (a single file or a DCP folder, through every
+command that loads one), and the checkpoints earlier releases wrote still load and resume exactly."""
+from __future__ import annotations
+
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import TINY, assert_one_line_error, read_metrics, run_main
+from fastpt import checkpoint, export, sample, train
+
+
+def run_args(data: Path, out: Path, *extra: str) -> list[str]:
+    """6 steps, every step logged, checkpoints at 4 and 6."""
+    return [*TINY, "--data", str(data), "--out", str(out), "--max-steps", "6", "--log-every", "1",
+            "--eval-every", "3", "--ckpt-every", "4", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt") / "reference"
+    with pytest.MonkeyPatch.context() as mp:  # run_main needs capsys; a module fixture has none
+        mp.setattr("sys.argv", ["fastpt.train"])
+        with pytest.raises(SystemExit) as done:
+            from fastpt.errors import run_command
+            run_command(lambda: train.main(run_args(tiny_data, out)))
+    assert done.value.code == 0
+    return out
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
+
+
+class CreatesAFile:
+    """What a crafted checkpoint carries: unpickling it calls open(path, "w")."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def crafted_file(path: Path, marker: Path) -> Path:
+    torch.save({"model_config": {}, "step": 1, "train_state": {"step": 1}, "payload": CreatesAFile(marker)}, path)
+    return path
+
+
+def crafted_dcp_folder(reference: Path, path: Path, marker: Path) -> Path:
+    """A shard folder with a genuine state.pt and a .metadata pickle that runs code."""
+    path.mkdir()
+    ckpt = checkpoint.load(checkpoint.latest(reference))
+    torch.save({k: v for k, v in ckpt.items() if k not in checkpoint.TENSOR_KEYS}, path / checkpoint.STATE_FILE)
+    (path / ".metadata").write_bytes(pickle.dumps(CreatesAFile(marker)))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["file", "dcp folder"])
+@pytest.mark.parametrize("command", ["train --resume", "sample", "export"])
+def test_a_crafted_checkpoint_is_refused_and_its_payload_never_runs(reference, tiny_data, tmp_path, capsys,
+                                                                     kind, command):
+    marker = tmp_path / "created-by-the-payload"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    name = "ckpt_00000004"
+    path = (crafted_file(run_dir / f"{name}.pt", marker) if kind == "file"
+            else crafted_dcp_folder(reference, run_dir / name, marker))
+    argv = {"train --resume": (train.main, run_args(tiny_data, run_dir, "--resume")),
+            "sample": (sample.main, ["--ckpt", str(path), "--device", "cpu", "--max-new-tokens", "2"]),
+            "export": (export.main, [str(path), "--out", str(tmp_path / "hf")])}[command]
+    code, _, err = run_main(*argv, capsys)
+    payload = path if kind == "file" else path / ".metadata"
+    assert_one_line_error(code, err, f"refused to load {payload}: it names ", "could run code")
+    assert "open" in err  # the global the payload calls is named
+    assert not marker.exists()
+    assert not (tmp_path / "hf").exists()
+
+
+def legacy(ckpt: dict) -> dict:
+    """A checkpoint as the previous release wrote it: NumPy's RNG state as its legacy tuple (an
+    array inside, which torch.load(weights_only=True) refuses by default), the step stored twice."""
+    rng = ckpt["rng"]
+    np_state = np.random.RandomState()
+    np_state.set_state({**rng["numpy"], "state": {**rng["numpy"]["state"],
+                                                  "key": rng["numpy"]["state"]["key"].numpy().astype(np.uint32)}})
+    old = {k: ckpt[k] for k in ("model", "optimizer", "scaler", "loader", "model_config", "train_config")}
+    return {**old, "rng": {**rng, "numpy": np_state.get_state()}, "step": ckpt["train_state"]["step"],
+            "train_state": ckpt["train_state"]}
+
+
+def test_a_checkpoint_of_the_previous_release_resumes_exactly(reference, tiny_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    ckpt = checkpoint.load(reference / "ckpt_00000004.pt")
+    torch.save(legacy(ckpt), run_dir / "ckpt_00000004.pt")
+    assert isinstance(torch.load(run_dir / "ckpt_00000004.pt", weights_only=False)["rng"]["numpy"][1], np.ndarray)
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    code, out, err = run_main(train.main, run_args(tiny_data, run_dir, "--resume"), capsys)
+    assert code == 0, err
+    assert "at step 4" in out
+    assert losses(run_dir) == losses(reference)  # the NumPy and Python RNG came back too
+
+
+def as_dcp_folder(ckpt: dict, path: Path) -> None:
+    """The checkpoint as an FSDP run writes it: model and optimizer as DCP shards, the rest in state.pt."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP in one process, no process group: intended here
+        dcp.save({k: ckpt[k] for k in checkpoint.TENSOR_KEYS}, checkpoint_id=path)
+    torch.save({k: v for k, v in ckpt.items() if k not in checkpoint.TENSOR_KEYS}, path / checkpoint.STATE_FILE)
+
+
+def test_a_dcp_folder_resumes_through_the_safe_reader(reference, tiny_data, tmp_path, capsys):
+    """The restricted metadata unpickler and the weights-only planner read a real DCP folder whole:
+    model, and optimizer state with its non-tensor hyperparameters."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    as_dcp_folder(checkpoint.load(reference / "ckpt_00000004.pt"), run_dir / "ckpt_00000004")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    code, out, err = run_main(train.main, run_args(tiny_data, run_dir, "--resume"), capsys)
+    assert code == 0, err
+    assert f"resumed from {run_dir / 'ckpt_00000004'} at step 4" in out
+    assert losses(run_dir) == losses(reference)
+
+
+# ---- state registered once
+
+class Counter:
+    """A Stateful of a feature's own (what a new piece of loop state looks like)."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def two_optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """AdamW on the matrices and SGD with momentum on the rest: state of two kinds over disjoint parameters."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    return [torch.optim.AdamW(matrices, lr=1e-2), torch.optim.SGD(others, lr=1e-2, momentum=0.9)]
+
+
+def test_a_checkpointer_saves_and_restores_every_registered_state_with_several_optimizers(tmp_path):
+    from fastpt.model import Transformer
+    from test_core import small_model
+
+    torch.manual_seed(0)
+    model, x = small_model(), torch.randint(0, 97, (2, 16))
+    optimizers = two_optimizers(model)
+    for _ in range(2):
+        model(x, labels=x).loss.backward()
+        for opt in optimizers:
+            opt.step()
+    meta = {"model_config": {"dim": 128}, "note": "plain values beside the states"}
+    states = {"model": checkpoint.ModelState(model), "optimizer": checkpoint.OptimizerState(model, optimizers),
+              "counter": Counter(7), "train_state": Counter(2)}
+    path = checkpoint.Checkpointer(tmp_path, states, meta).save(2)
+    assert path == tmp_path / "ckpt_00000002.pt"
+    saved = torch.load(path, weights_only=True)
+    assert saved["note"] == meta["note"] and saved["counter"] == {"n": 7}
+
+    fresh = Transformer(model.cfg)
+    fresh_optimizers = two_optimizers(fresh)
+    counter = Counter()
+    restored = checkpoint.Checkpointer(tmp_path, {
+        "model": checkpoint.ModelState(fresh), "optimizer": checkpoint.OptimizerState(fresh, fresh_optimizers),
+        "counter": counter, "train_state": Counter()}, meta).restore(torch.device("cpu"))
+    assert restored == path and counter.n == 7
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    for before, after in zip(optimizers, fresh_optimizers):
+        for p, q in zip(before.param_groups[0]["params"], after.param_groups[0]["params"]):
+            assert before.state[p].keys() == after.state[q].keys()
+            assert all(torch.equal(before.state[p][k], after.state[q][k]) for k in before.state[p])
+    assert isinstance(fresh_optimizers[1].state[fresh_optimizers[1].param_groups[0]["params"][0]]["momentum_buffer"],
+                      torch.Tensor)
+
+
+def test_a_state_the_checkpoint_lacks_is_one_line_naming_it(tmp_path):
+    from test_core import small_model
+
+    model = small_model()
+    checkpoint.Checkpointer(tmp_path, {"model": checkpoint.ModelState(model), "train_state": Counter()},
+                            {"model_config": {}}).save(1)
+    with pytest.raises(checkpoint.CheckpointError, match="could not load the counter state from .*ckpt_00000001.pt"):
+        checkpoint.Checkpointer(tmp_path, {"model": checkpoint.ModelState(model), "counter": Counter(),
+                                           "train_state": Counter()}, {}).restore(torch.device("cpu"))
+
+
+# ---- process state: what an in-process train.main leaves behind
+
+def test_in_process_train_main_leaves_handlers_and_lock_as_it_found_them(tiny_data, tmp_path, capsys):
+    import fcntl
+    import signal
+    import sys
+
+    def ours(signum, frame):
+        pass
+
+    previous = {sig: signal.signal(sig, ours) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        hook = sys.excepthook
+        code, out, err = run_main(train.main, run_args(tiny_data, tmp_path / "run", "--max-steps", "2"), capsys)
+        assert code == 0, err
+        assert signal.getsignal(signal.SIGTERM) is ours and signal.getsignal(signal.SIGINT) is ours
+        assert sys.excepthook is hook and "interrupt" not in getattr(sys.excepthook, "__qualname__", "")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert out.startswith(f"run {tmp_path / 'run'} | device cpu")  # the summary names the run folder
+    with open(tmp_path / "run" / ".lock") as f:  # the run lock was released when main returned
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_the_eta_follows_the_steady_pace_after_the_warm_up(monkeypatch):
+    from fastpt import metrics
+
+    now = [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    pace = metrics.Pace()
+    now[0] += 100.0  # the first window: 10 steps and a compilation
+    pace.lap(10)
+    assert pace.eta(90) is None  # no steady pace yet: the first window holds the compilation
+    assert metrics.Dashboard(100, 1, 1, 0.0, None, None, False, False).line(
+        {"step": 10, "loss": 1.0, "ppl": 2.7, "lr": 0.1, "grad_norm": 1.0, "peak_mem_gib": 0.5, "tok_s": 1.0,
+         "mfu": None}, pace.eta(90)).endswith("| ETA after warm-up")
+    for seconds in (10.0, 14.0, 6.0):  # then 1 s a step on average, an eval paused out of one window
+        with pace.paused():
+            now[0] += 50.0
+        now[0] += seconds
+        pace.lap(10)
+    assert pace.eta(60) == pytest.approx(60.0)  # not the 600 s the first window's pace would say
+    assert pace.eta(0) == 0.0
