@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_metrics, run_train, train_refuses
+from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train, train_refuses
 from fastpt import checkpoint, metrics
 from fastpt.shards import write_shard
 
@@ -469,3 +469,46 @@ def test_a_run_outlives_the_reader_of_its_output(tiny_data, tmp_path):
     assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
     assert checkpoint.latest(tmp_path).name == "ckpt_00000010.pt"
     assert [step for step, _ in losses(tmp_path)] == list(range(1, 11))
+
+
+# ---- fastpt.plot on what a crash leaves
+
+def train_record(step: int) -> str:
+    return json.dumps({"step": step, "loss": 5.0 / step, "tokens": 128 * step, "lr": 1e-3, "tok_s": 1000.0})
+
+
+DAMAGED_LINES = [b"\xff\xfe not UTF-8", bytes(range(14, 256)) * 4, b"[1, 2, 3]", b'{"loss": 1.0, "tokens": 1}',
+                 b'{"step": "3", "loss": 1.0, "tokens": 1, "lr": 0.1, "tok_s": 1.0}', b'{"step": 4, "loss": "low"}']
+
+
+def test_plot_skips_damaged_lines_and_says_how_many(tmp_path, capsys):
+    from fastpt import plot
+    lines = [train_record(1).encode(), *DAMAGED_LINES, train_record(2).encode(),
+             b'{"step": 2, "val_loss": 2.5, "val_ppl": 12.2}', train_record(3).encode()[:20]]  # cut by a kill
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    code, out, err = run_main(plot.main, [str(tmp_path)], capsys)
+    assert code == 0, err
+    assert err == (f"fastpt: warning: {tmp_path / 'metrics.jsonl'}: skipped 7 damaged lines (line 2, 3, 4, ...); "
+                   "plotted 2 train and 1 eval records\n")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(DAMAGED_LINES))
+    assert_one_line_error(*run_main(plot.main, [str(tmp_path)], capsys)[::2],
+                          f"{tmp_path / 'metrics.jsonl'} has no train records (6 damaged lines, the first line 1)")
+
+
+def test_plot_into_a_folder_it_cannot_write_is_one_line(tmp_path, capsys):
+    from fastpt import plot
+    (tmp_path / "metrics.jsonl").write_text(train_record(1) + "\n" + train_record(2) + "\n")
+    code, _, err = run_main(plot.main, [str(tmp_path), "--out", "/proc/loss.png"], capsys)
+    assert_one_line_error(code, err, "cannot write /proc/loss.png", "--out", expected_code=1)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        shutil.copy(tmp_path / "metrics.jsonl", disk)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)  # a read-only run folder
+        code, _, err = run_main(plot.main, [str(disk)], capsys)
+        assert_one_line_error(code, err, f"cannot write {disk / 'loss.png'}: Read-only file system", expected_code=1)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
