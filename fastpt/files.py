@@ -7,6 +7,7 @@ import contextlib
 import errno
 import fcntl
 import fnmatch
+import glob
 import os
 import re
 import shutil
@@ -48,6 +49,13 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def clear_temporaries(path: Path) -> None:
+    """Delete what write_atomic(path) calls that were killed left behind (a SIGKILL runs no cleanup);
+    only for a path whose writer holds a lock, so no live writer's temporary is taken."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp*"):
+        stale.unlink(missing_ok=True)
 
 
 def remove(path: Path) -> None:
