@@ -419,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve(cli, config_file, pick_device(cli))
     d = distributed.setup(cfg.device)
     try:
-        return train(cfg, d)
+        with distributed.report_lost_ranks(d):
+            return train(cfg, d)
     finally:
         distributed.teardown(d)
 
