@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from fastpt.errors import DataError
-from fastpt.shards import INCOMPLETE, MAX_VOCAB, read_shard, shard_vocab
+from fastpt.files import write_atomic
+from fastpt.shards import INCOMPLETE, MAX_VOCAB, content_key, read_shard, shard_vocab
 from fastpt.tokenizer import load_tokenizer, read_nanogpt_meta, same_tokenizer
 from fastpt.windows import BosWindows, Mixture, Windows, WindowSet
 
@@ -201,19 +202,19 @@ def _meta_json_vocab(path: Path) -> int:
 
 
 def max_token_id(path: Path, headerless: bool) -> int:
-    """Largest id in a shard, scanned in chunks; cached beside the shard by size and mtime."""
+    """Largest id in a shard, scanned in chunks; cached beside the shard, keyed by its content
+    (shards.content_key). A damaged or stale cache is recomputed, never trusted or fatal."""
     cache = path.with_name(f".{path.name}.maxid")
-    stat = path.stat()
-    key = f"{stat.st_size}:{stat.st_mtime_ns}"
-    if cache.is_file():
-        saved_key, _, value = cache.read_text().partition(" ")
+    key = content_key(path)  # a dangling symlink or unreadable shard is one line here
+    with contextlib.suppress(OSError, UnicodeError, ValueError):
+        saved_key, value = cache.read_text().split(" ")
         if saved_key == key:
             return int(value)
     tokens = read_shard(path, headerless)
     chunk = 1 << 24
     largest = max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
     with contextlib.suppress(OSError):  # a read-only data folder just isn't cached
-        cache.write_text(f"{key} {largest}")
+        write_atomic(cache, lambda f: f.write(f"{key} {largest}".encode()))
     return largest
 
 

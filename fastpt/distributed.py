@@ -3,9 +3,14 @@ DDP or FSDP2, and the cross-rank reductions the loop needs. (Checkpoints of eith
 checkpoint.py.)"""
 from __future__ import annotations
 
+import contextlib
+import datetime
 import inspect
 import os
-from dataclasses import dataclass
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,12 +20,21 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fastpt.errors import FastptError, fail
+
+
+# A collective that waits longer than this for a rank fails instead of hanging (torch's default is
+# 30 minutes for gloo, and NCCL's watchdog may never fire on a peer that is gone); long enough for
+# the other ranks to compile or write a checkpoint. FASTPT_COLLECTIVE_TIMEOUT (seconds) overrides it.
+COLLECTIVE_TIMEOUT_S = 600
+
 
 @dataclass
 class Dist:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    peers: list = field(default_factory=list)  # (hostname, pid) of every rank, to name one that dies
 
     @property
     def enabled(self) -> bool:
@@ -38,8 +52,50 @@ def setup(device_type: str) -> Dist:
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     if device_type == "cuda":
         torch.cuda.set_device(d.local_rank)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=float(os.environ.get("FASTPT_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
+    # The store's keys of an attempt torchrun restarted must not meet the dead attempt's (a rank that
+    # read its peer's old address would fail to connect to it): one key prefix per attempt.
+    store, _, _ = next(dist.rendezvous("env://", rank=d.rank, world_size=d.world_size, timeout=timeout))
+    store = dist.PrefixStore(f"fastpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store, rank=d.rank,
+                            world_size=d.world_size, timeout=timeout)
+    d.peers = [None] * d.world_size
+    dist.all_gather_object(d.peers, (socket.gethostname(), os.getpid()))
     return d
+
+
+def _dead(host: str, pid: int) -> bool | None:
+    """Whether the process is gone (or a zombie); None when it runs on another machine."""
+    if host != socket.gethostname():
+        return None
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@contextlib.contextmanager
+def report_lost_ranks(d: Dist):
+    """A collective that fails because a rank died (or timed out waiting for one) becomes one line
+    naming the rank and exit 1 at once, instead of a traceback from every survivor; other errors pass
+    through. At once: the broken process group's destructors can block for as long as torchrun waits
+    before it SIGKILLs a worker, delaying the restart; checkpoints and metrics are written whole, so
+    skipping the interpreter's cleanup loses nothing."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo and NCCL raise DistBackendError, a RuntimeError; older torch plain ones
+        if not d.enabled or isinstance(e, FastptError):
+            raise
+        dead = [f"rank {r} (pid {pid} on {host})" for r, (host, pid) in enumerate(d.peers)
+                if r != d.rank and _dead(host, pid)]
+        if not dead and not isinstance(e, dist.DistError):
+            raise
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        who = f"{', '.join(dead)} died" if dead else "another rank stopped answering"
+        fail(f"rank {d.rank}: {who}; a collective failed ({first_line[:200]}). torchrun --max-restarts restarts "
+             "the group, which resumes from the newest complete checkpoint with --resume")
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def teardown(d: Dist) -> None:

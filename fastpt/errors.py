@@ -1,7 +1,8 @@
 """The errors a user's mistake raises, and how every fastpt command reports them.
 
 Library code raises these (never SystemExit); each message names the file, key or value at
-fault. Only a command's `main` turns them into one `fastpt: error: ...` line and exit code 2.
+fault. Only a command's `main` turns them into one `fastpt: error: ...` line and exit code 2
+(1 for a write the OS refused).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ INTERRUPT_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 class FastptError(Exception):
     """A problem the user can fix; printed as one line, without a traceback."""
 
+    exit_code = USAGE_EXIT
+
 
 class ConfigError(FastptError, ValueError):
     """A bad option, config key or value."""
@@ -28,6 +31,13 @@ class DataError(FastptError, ValueError):
 
 class CheckpointError(FastptError, RuntimeError):
     """A checkpoint could not be written or read; the message names the file."""
+
+
+class DiskError(FastptError):
+    """The OS refused a write (a full disk, a read-only folder, a file-size limit); the message names
+    the path and the OS's reason. Exit 1: the command line was right, the machine said no."""
+
+    exit_code = 1
 
 
 class MissingPackage(FastptError, ImportError):
@@ -56,13 +66,13 @@ def fail(message: str) -> None:
 
 
 def run_command(main: Callable[[], int | None]) -> NoReturn:
-    """Run a command's main: its return value is the exit code, a FastptError one line and exit 2,
-    Ctrl-C one line and exit 130 (the command's own `finally` blocks clean up first)."""
+    """Run a command's main: its return value is the exit code, a FastptError one line and exit 2
+    (a DiskError exit 1), Ctrl-C one line and exit 130 (the command's own `finally` blocks clean up first)."""
     try:
         code = main() or 0
     except FastptError as e:
         fail(str(e))
-        code = USAGE_EXIT
+        code = e.exit_code
     except KeyboardInterrupt:
         fail("interrupted")
         code = INTERRUPT_EXIT

@@ -2,19 +2,19 @@
 
 The folder (config.json, generation_config.json, safetensors weights, tokenizer files) loads with
 transformers' AutoModelForCausalLM / AutoTokenizer, vLLM and lm-evaluation-harness, and computes
-the same logits as the checkpoint. It is written under a temporary name and renamed when complete.
+the same logits as the checkpoint. It is written into a locked temporary folder and renamed when
+complete; a full disk is one line, with nothing published.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
-from fastpt import checkpoint, hf
+from fastpt import checkpoint, files, hf
 from fastpt.config import DTYPES
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.model import Transformer
@@ -23,17 +23,11 @@ from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 def check_out(out: Path, source: Path, overwrite: bool) -> None:
     """Refuse an --out that would lose something: a file, a folder that holds the checkpoint being
-    exported, a non-empty folder that is not a Hugging Face model, and one that is (without --overwrite)."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"'--out' {out} is a file, not a folder")
+    exported, one holding any file an export does not write (named), and an earlier export (without
+    --overwrite)."""
     if out.is_dir() and source.resolve().is_relative_to(out.resolve()):
-        raise ConfigError(f"'--out' {out} holds the checkpoint being exported; choose another folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not hf.is_hf_dir(out):
-            raise ConfigError(f"'--out' {out} holds files that are not a Hugging Face model: nothing deleted; "
-                              "choose a new or empty folder")
-        if not overwrite:
-            raise ConfigError(f"'--out' {out} already holds a Hugging Face model; pass --overwrite to replace it")
+        raise ConfigError(f"--out {out} holds the checkpoint being exported; choose another folder")
+    files.check_out(out, hf.EXPORT_FILES, "config.json", "fastpt.export", overwrite)
 
 
 def export_tokenizer(path: Path | None, vocab_size: int, ckpt_path: Path):
@@ -66,16 +60,8 @@ def export(source: str | Path, out: str | Path, dtype: str = "fp32", max_shard_s
     model, ckpt = Transformer.from_checkpoint(ckpt_path, torch.device("cpu"))
     tokenizer_json = pick_tokenizer_path(tokenizer, checkpoint.tokenizer_of(ckpt_path, ckpt))
     tok, doc_id = export_tokenizer(tokenizer_json, model.cfg.vocab_size, ckpt_path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
+    with files.staged(out, "fastpt.export") as tmp:
         hf.save_hf(tmp, model.cfg, model.state_dict(), DTYPES[dtype], tok, doc_id, shard_bytes)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except OSError as e:
-        raise ConfigError(f"could not write {out}: {e.strerror or e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return ckpt_path
 
 

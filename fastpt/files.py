@@ -1,13 +1,23 @@
-"""Crash-safe file primitives: atomic writes, and one owner per output folder."""
+"""Crash-safe file primitives, the one home of each: atomic writes of a file and of a folder
+(publish under a temporary name), "is this output folder ours", and the OS locks (flock) that
+give a run folder or an output folder one owner."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
+import fnmatch
+import glob
 import os
+import re
+import shutil
+import signal
 import socket
+import threading
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterable, Iterator
 
-from fastpt.errors import ConfigError
+from fastpt.errors import ConfigError, DiskError
 
 
 def fsync_dir(folder: Path) -> None:
@@ -16,6 +26,14 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def os_reason(e: BaseException) -> str:
+    """The OS's words for a failed write ('No space left on device'), also when a library wrapped them."""
+    os_error = e if isinstance(e, OSError) else e.__context__
+    if isinstance(os_error, OSError) and os_error.strerror:
+        return os_error.strerror
+    return str(e)
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
@@ -31,6 +49,59 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def clear_temporaries(path: Path) -> None:
+    """Delete what write_atomic(path) calls that were killed left behind (a SIGKILL runs no cleanup);
+    only for a path whose writer holds a lock, so no live writer's temporary is taken."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.tmp*"):
+        stale.unlink(missing_ok=True)
+
+
+def remove(path: Path) -> None:
+    """Delete a file, a link or a whole folder; nothing there is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the complete folder `tmp` to `out`. Whatever `out` held is moved aside first and deleted
+    after, so a crash at any moment leaves the old folder or the new one under `out`, never a mix.
+    (Checkpoint directories can be published with this too.)"""
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        out.rmdir()
+    old = out.with_name(f".{out.name}.old")
+    if out.exists() or out.is_symlink():
+        remove(old)
+        out.rename(old)
+    tmp.rename(out)
+    fsync_dir(out.parent)
+    remove(old)
+
+
+def foreign_files(folder: Path, ours: Iterable[str]) -> list[str]:
+    """The names in `folder` that match none of the glob patterns `ours`: what a user put there."""
+    ours = tuple(ours)
+    return sorted(p.name for p in folder.iterdir() if not any(fnmatch.fnmatch(p.name, pat) for pat in ours))
+
+
+def check_out(out: Path, ours: Iterable[str], marker: str, command: str, overwrite: bool) -> None:
+    """Refuse an --out that would cost a user anything: a file, a folder holding files that `command`
+    does not write (named), and an earlier output of `command` (its `marker` file) without --overwrite."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; --out takes a folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    foreign = foreign_files(out, ours)
+    if foreign or not (out / marker).is_file():
+        named = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(f"--out {out} holds files that {command} did not write"
+                          + (f" ({named})" if foreign else f" (no {marker})")
+                          + ": nothing deleted; choose a new or empty folder")
+    if not overwrite:
+        raise ConfigError(f"--out {out} already holds the output of an earlier {command}: add --overwrite to replace it")
 
 
 def lock(path: Path, what: str) -> IO[str]:
@@ -51,3 +122,77 @@ def lock(path: Path, what: str) -> IO[str]:
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+def lock_folder(path: Path, out: Path, command: str) -> int:
+    """Make and flock the folder `path` itself; the returned descriptor holds the lock until closed.
+    A folder its owner has just renamed away (published) is not the one to hold: lock a fresh one."""
+    while True:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # its owner renamed it to --out just now
+        except OSError as e:
+            raise DiskError(f"--out {out}: cannot create {path} ({os_reason(e)})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigError(f"--out {out}: another {command} is writing it (it holds {path}); "
+                              "wait for it to finish, or choose another --out") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def file_size_limit_as_error() -> Iterator[None]:
+    """A write past `ulimit -f` (RLIMIT_FSIZE) fails with EFBIG, like a full disk, instead of the
+    SIGXFSZ that would kill the process without a word (main thread only; restored after)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+@contextlib.contextmanager
+def staged(out: Path, command: str) -> Iterator[Path]:
+    """A locked temporary folder beside `out` for `command` to write its output into, published as
+    `out` when the body completes and deleted when it fails or is interrupted. What a killed writer
+    left there is cleared first. A write the OS refuses (a full disk, a read-only folder, a file-size
+    limit) is one DiskError naming the file and the OS's reason: nothing is published."""
+    tmp = out.with_name(f".{out.name}.{command.removeprefix('fastpt.')}-tmp")
+    fd = lock_folder(tmp, out, command)
+    try:
+        with file_size_limit_as_error():
+            try:
+                for stale in tmp.iterdir():
+                    remove(stale)
+                yield tmp
+                publish(tmp, out)
+            except OSError as e:
+                if isinstance(e, BrokenPipeError):  # the reader of our output is gone: not a write of ours
+                    raise
+                kept = "; its earlier contents are intact" if out.exists() else ""
+                raise DiskError(f"{command} could not write {out}: {os_reason(e)} (nothing published{kept})") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)
+
+
+def write_error(e: BaseException) -> OSError | None:
+    """The OSError a write failed with, when a library (safetensors, say) wrapped it in its own error
+    type: its errno from the message, as Rust's io::Error prints it ('os error 28', 'code: 28')."""
+    if isinstance(e, OSError):
+        return e
+    match = re.search(r"(?:os error|code:) (\d+)", str(e))
+    code = int(match.group(1)) if match else 0
+    return OSError(code, os.strerror(code)) if code in errno.errorcode else None

@@ -17,6 +17,7 @@ import torch
 
 from fastpt.config import ModelConfig
 from fastpt.errors import CheckpointError, ConfigError, require
+from fastpt.files import write_error
 from fastpt.model import Transformer
 from fastpt.tokenizer import EOT
 
@@ -36,6 +37,9 @@ BLOCK_NAMES = {  # fastpt name in a block -> HF name in a decoder layer
 }
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# Every file an export writes: an --out holding anything else is a user's folder, never replaced.
+EXPORT_FILES = ("config.json", "generation_config.json", SINGLE_FILE, "model-*-of-*.safetensors", INDEX_FILE,
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # A tokenizer's end of text, first found wins; fastpt's own tokenizers have only EOT, both BOS and EOS.
 END_TOKENS = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 
@@ -209,23 +213,30 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def parse_size(text: str) -> int:
-    """'5GB' -> 5 * 10**9, '500MiB' -> 500 * 2**20, '1000' -> 1000 bytes (units as transformers reads them)."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    upper = text.strip().upper()
-    unit = next((u for u in units if upper.endswith(u)), "")
+    """'5GB' -> 5 * 10**9, '1000' -> 1000 bytes: huggingface_hub's units (KB, MB, GB, TB), as
+    transformers' save_pretrained reads them."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
     try:
-        size = float(upper.removesuffix(unit)) * units.get(unit, 1)
+        size = int(text) if text.strip().isdigit() else parse_size_to_int(text)
     except ValueError:
-        size = math.nan
-    if not (math.isfinite(size) and size >= 1):
-        raise ConfigError(f"'--max-shard-size' must be a size such as 5GB, 500MB or 2GiB, got {text!r}")
-    return int(size)
+        size = 0
+    if size < 1:
+        raise ConfigError(f"'--max-shard-size' must be a size such as 5GB or 500MB, got {text!r}")
+    return size
 
 
 def save_readable(st, tensors: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors' save_file, with the permissions of any file this process writes (it makes its
-    files owner-only: a server account could not read the weights of a shared export)."""
-    st.save_file(tensors, path, metadata={"format": "pt"})
+    files owner-only: a server account could not read the weights of a shared export). A failed
+    write (a full disk) is the OSError it wraps, so the caller reports the OS's reason."""
+    try:
+        st.save_file(tensors, path, metadata={"format": "pt"})
+    except Exception as e:  # safetensors reports I/O failures as its own SafetensorError
+        os_error = write_error(e)
+        if os_error is None:
+            raise
+        raise OSError(os_error.errno, os_error.strerror, str(path)) from None
     umask = os.umask(0)
     os.umask(umask)
     path.chmod(0o666 & ~umask)
@@ -233,27 +244,15 @@ def save_readable(st, tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors shards of at most max_shard_size bytes
-    each (a larger tensor gets a shard of its own) with model.safetensors.index.json."""
+    each (a larger tensor gets a shard of its own) with model.safetensors.index.json, split as
+    huggingface_hub splits them for transformers."""
     st = require("safetensors.torch", "exporting to Hugging Face", "safetensors")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_readable(st, tensors, out / SINGLE_FILE)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_readable(st, shard, out / file)
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    hub = require("huggingface_hub", "exporting to Hugging Face", "huggingface_hub")
+    split = hub.split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for file, names in split.filename_to_tensors.items():
+        save_readable(st, {name: tensors[name] for name in names}, out / file)
+    if split.is_sharded:
+        write_json(out / INDEX_FILE, {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
 
 
 def write_json(path: Path, value: dict) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fastpt.errors import require
-from fastpt.files import write_atomic
+from fastpt.files import clear_temporaries, write_atomic
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), by a substring of the device name.
 PEAK_BF16_FLOPS = {
@@ -131,7 +131,9 @@ class Dashboard:
 
 def rewind(path: Path, step: int) -> None:
     """Drop records after `step`, atomically: a killed run logged steps that the resumed run is
-    about to redo, and a kill during this rewrite must not cost the earlier history."""
+    about to redo, and a kill during this rewrite must not cost the earlier history (nor leave its
+    copy behind for good: the next rewind deletes it; the run folder's lock makes it ours)."""
+    clear_temporaries(path)
     if not path.is_file():
         return
     kept = []

@@ -5,42 +5,76 @@ Panels: train and val loss vs step, the same vs tokens seen, learning rate, thro
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from fastpt.errors import ArgumentParser, DataError, require, run_command
+from fastpt.errors import ArgumentParser, DataError, DiskError, require, run_command
+from fastpt.files import os_reason, write_atomic
 
 
-def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """Train and eval records, by step. After a resume a step is logged again: the last record wins."""
+NUMBER = (int, float)
+TRAIN_FIELDS, VAL_FIELDS = ("loss", "tokens", "lr", "tok_s"), ("val_loss",)
+
+
+def parse_record(line: bytes) -> dict | None:
+    """A train or eval record of fastpt.train, or None for anything else: a line cut short by a
+    crash, bytes that are not UTF-8 or not JSON, JSON that is not such a record."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError is one too
+        return None
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        return None
+    fields = TRAIN_FIELDS if "loss" in record else VAL_FIELDS
+    numbers = all(isinstance(record.get(k), NUMBER) and not isinstance(record.get(k), bool) for k in fields)
+    return record if numbers else None
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[int]]:
+    """Train and eval records by step, and the numbers of the lines skipped as damaged. After a
+    resume a step is logged again: the last record wins."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise DataError(f"{path} not found (is {run_dir} a run folder written by fastpt.train?)")
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({os_reason(e)})") from None
     train: dict[int, dict] = {}
     val: dict[int, dict] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+    skipped = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-        if "loss" in record:
+        record = parse_record(line)
+        if record is None:
+            skipped.append(number)
+        elif "loss" in record:
             train[record["step"]] = record
-        elif "val_loss" in record:
+        else:
             val[record["step"]] = record
     if not train:
-        raise DataError(f"{path} has no train records yet")
-    return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
+        raise DataError(f"{path} has no train records" + (f" ({len(skipped)} damaged lines, the first line {skipped[0]})"
+                                                          if skipped else " yet"))
+    return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)], skipped
 
 
-def plot(run_dir: str | Path) -> Path:
-    """Write run_dir/loss.png and return its path."""
+def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write run_dir/loss.png (or `out`) and return its path; damaged lines of metrics.jsonl are
+    skipped, with a warning that counts them."""
     matplotlib = require("matplotlib", "fastpt.plot")
     matplotlib.use("Agg")  # files only: works without a display
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    train, val = read_metrics(run_dir)
+    train, val, skipped = read_metrics(run_dir)
+    if skipped:
+        print(f"fastpt: warning: {run_dir / 'metrics.jsonl'}: skipped {len(skipped)} damaged line"
+              f"{'s' if len(skipped) > 1 else ''} (line {', '.join(map(str, skipped[:3]))}"
+              f"{', ...' if len(skipped) > 3 else ''}); plotted {len(train)} train and {len(val)} eval records",
+              file=sys.stderr)
     steps = np.array([r["step"] for r in train])
     tokens = np.array([r["tokens"] for r in train])
     val_steps = np.array([r["step"] for r in val])
@@ -61,16 +95,22 @@ def plot(run_dir: str | Path) -> Path:
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(str(run_dir))
-    out = run_dir / "loss.png"
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    out = Path(out) if out else run_dir / "loss.png"
+    try:
+        write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=120))
+    except OSError as e:
+        raise DiskError(f"cannot write {out}: {os_reason(e)} (choose another file with --out)") from None
+    finally:
+        plt.close(fig)
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = ArgumentParser(prog="python -m fastpt.plot", description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", metavar="RUN_DIR", help="run folder with metrics.jsonl (the --out of fastpt.train)")
-    print(f"wrote {plot(ap.parse_args(argv).run_dir)}")
+    ap.add_argument("--out", default="", help="the PNG to write (default: RUN_DIR/loss.png)")
+    args = ap.parse_args(argv)
+    print(f"wrote {plot(args.run_dir, args.out or None)}")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,12 @@ real text that every machine has, so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
-import fnmatch
 import hashlib
 import itertools
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import sys
 import sysconfig
@@ -32,6 +28,7 @@ from typing import Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from fastpt import files
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
 from fastpt.sources import Source, documents, find_sources
@@ -49,84 +46,6 @@ DATASET_FILES = ("meta.json", "tokenizer.json", "train_*.bin", "val_*.bin", ".*.
 def stdlib_sources() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-
-
-# ---- the output folder: checked, locked, written under a temporary name, renamed when complete
-
-def is_dataset(folder: Path) -> bool:
-    """A folder fastpt.prepare wrote: meta.json, and nothing but the files it writes."""
-    return (folder / "meta.json").is_file() and all(
-        any(fnmatch.fnmatch(p.name, pattern) for pattern in DATASET_FILES) for p in folder.iterdir())
-
-
-def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an --out that would destroy anything but an earlier dataset, and that one without --overwrite."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out} is a file; --out takes a folder for the shards")
-    if out.is_dir() and any(out.iterdir()):
-        if not is_dataset(out):
-            raise DataError(f"--out {out} exists and holds files that fastpt.prepare did not write: nothing deleted; "
-                            "choose a new or empty folder")
-        if not overwrite:
-            raise DataError(f"--out {out} already holds a prepared dataset: add --overwrite to replace it")
-
-
-def lock_folder(path: Path, out: Path) -> int:
-    """Make and flock `path`; the returned descriptor holds the lock until closed. The OS drops
-    the lock when its process dies, so a killed prepare never leaves it stuck."""
-    while True:
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise DataError(f"--out {out}: cannot create {path} ({e.strerror or e})") from None
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
-            continue  # its owner renamed it to --out just now
-        except OSError as e:
-            raise DataError(f"--out {out}: cannot open {path} ({e.strerror or e})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DataError(f"--out {out}: another fastpt.prepare is writing it (it holds {path}); "
-                            "wait for it to finish, or choose another --out") from None
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
-                return fd
-        os.close(fd)  # we locked the folder its owner has just renamed to --out: lock a fresh one
-
-
-@contextlib.contextmanager
-def staging(out: Path) -> Iterator[Path]:
-    """A locked temporary folder beside `out`, renamed to `out` when the body completes and deleted
-    when it fails or is interrupted. Until then it carries the INCOMPLETE marker that train refuses."""
-    tmp = out.with_name(f".{out.name}.prepare-tmp")
-    fd = lock_folder(tmp, out)
-    try:
-        for stale in tmp.iterdir():  # what a killed prepare left behind
-            shutil.rmtree(stale) if stale.is_dir() and not stale.is_symlink() else stale.unlink()
-        (tmp / INCOMPLETE).touch()
-        yield tmp
-        (tmp / INCOMPLETE).unlink()
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        os.close(fd)
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an earlier dataset there (checked by check_out) is moved aside first."""
-    if out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
-    old = out.with_name(f".{out.name}.prepare-old")
-    if out.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- tokenizing in worker processes, in order, a bounded number of batches in flight
@@ -284,14 +203,15 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
             workers: int = 0, shard_tokens: int = SHARD_TOKENS, tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
             overwrite: bool = False) -> dict:
     """Tokenize `inputs` (files, folders, globs; plus a Hub dataset) into train/val shards in `out`,
-    with tokenizer.json and meta.json; written under a temporary name, renamed when complete."""
+    with tokenizer.json and meta.json; written into a locked temporary folder, renamed when complete."""
     out = Path(os.path.abspath(out))  # `--out .` or `x/..` have a name to put the temporary folder beside
     check_options(tokenizer, vocab_size, val_fraction, workers, shard_tokens, tokenizer_sample_mb)
-    check_out(out, overwrite)
+    files.check_out(out, DATASET_FILES, "meta.json", "fastpt.prepare", overwrite)
     sources = find_sources(inputs, hf_dataset, skip=out)
     workers = workers or all_cores()
     start = time.perf_counter()
-    with staging(out) as tmp:
+    with files.staged(out, "fastpt.prepare") as tmp:
+        (tmp / INCOMPLETE).touch()  # what train refuses, should this folder ever be published unfinished
         tok = build_tokenizer(tokenizer, vocab_size, lambda: text_sample(sources, text_field, tokenizer_sample_mb))
         tok.save(tmp / "tokenizer.json")
         if tok.eot_id is None:
@@ -308,6 +228,7 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
             "seconds": {"tokenizer": tokenizer_s, "tokenize": round(time.perf_counter() - start - tokenizer_s, 3)},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        (tmp / INCOMPLETE).unlink()
     return meta
 
 

@@ -6,6 +6,7 @@ workers import this, and never torch.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def write_shard(path: str | Path, tokens, vocab_size: int = 0) -> Path:
     return path
 
 
-def _stat(path: Path) -> os.stat_result:
+def stat(path: Path) -> os.stat_result:
     """The file's stat, or a DataError that says why it cannot be read."""
     if path.is_symlink() and not path.exists():
         raise DataError(f"{path}: a dangling symlink (its target {os.readlink(path)} does not exist)")
@@ -61,7 +62,7 @@ def _stat(path: Path) -> os.stat_result:
 
 def read_header(path: Path) -> tuple[np.dtype, int, int]:
     """Check an llm.c header against the file; returns (token dtype, token count, vocab size)."""
-    size = _stat(path).st_size
+    size = stat(path).st_size
     if size < HEADER_BYTES:
         raise DataError(f"{path}: {size} bytes is too short for a {HEADER_BYTES}-byte shard header")
     try:
@@ -88,7 +89,7 @@ def read_shard(path: str | Path, headerless: bool = False) -> np.memmap:
     """Memory-map a shard's tokens (never loaded whole); headerless = nanoGPT uint16 .bin."""
     path = Path(path)
     if headerless:
-        size = _stat(path).st_size
+        size = stat(path).st_size
         if size % 2:
             raise DataError(f"{path}: odd byte count, not a headerless uint16 token file")
         dtype, count, offset = np.dtype("<u2"), size // 2, 0
@@ -100,6 +101,23 @@ def read_shard(path: str | Path, headerless: bool = False) -> np.memmap:
         return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def content_key(path: Path, blocks: int = 16, block_bytes: int = 1 << 16) -> str:
+    """What a cache of a shard's contents is keyed by: size, mtime, ctime and inode (which no
+    `touch` can set back and which any rewrite changes) and a digest of the header and `blocks`
+    blocks spread over the file (bytes the file's contents decide), read in well under a
+    millisecond whatever the shard's size."""
+    st = stat(path)
+    digest = hashlib.blake2b(digest_size=16)
+    try:
+        with open(path, "rb") as f:
+            for i in range(blocks + 1):
+                f.seek(st.st_size * i // (blocks + 1))
+                digest.update(f.read(block_bytes))
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:{digest.hexdigest()}"
 
 
 def shard_vocab(path: str | Path) -> int:

@@ -3,16 +3,17 @@
 
 Nothing is read whole: a text file is cut into pieces of about a million characters (at a
 newline), records are read a batch at a time. A file that is none of these (NUL bytes, a known
-binary magic) is refused, naming it, before any work starts.
+binary magic) is refused, naming it, before any work starts; a compressed or parquet file found
+damaged while reading is an error naming it and where it broke, never a shorter corpus.
 """
 from __future__ import annotations
 
 import codecs
 import glob
-import gzip
 import io
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -36,12 +37,65 @@ class Source:
     kind: str  # text, jsonl, parquet, saved (save_to_disk folder) or hub
 
 
+class Decompressed(io.RawIOBase):
+    """The bytes of a .gz or .zst file, every member (frame) of it, checked to the end: data that is
+    corrupt, or that stops inside a frame (a cut-off download or copy), is a DataError naming the
+    file and the compressed byte offset, never a silently shorter read."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, path: Path):
+        self.path, self.format = path, {".gz": "gzip", ".zst": "zstd"}[path.suffix]
+        self.zstd = require("zstandard", f"reading {path}") if self.format == "zstd" else None
+        self.file = open(path, "rb")
+        self.decoder, self.fresh = self._decoder(), True  # fresh: no byte of the current frame seen yet
+        self.out, self.pos, self.offset = b"", 0, 0  # decompressed bytes, how many handed out; bytes read
+
+    def _decoder(self):
+        return self.zstd.ZstdDecompressor().decompressobj() if self.zstd else zlib.decompressobj(16 + zlib.MAX_WBITS)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.pos == len(self.out):
+            chunk = self.file.read(self.CHUNK)
+            if not chunk:
+                if not self.fresh:
+                    raise DataError(f"{self.path}: truncated {self.format} data: it ends inside a compressed "
+                                    f"frame at byte {self.offset:,} (an incomplete download or copy?)")
+                return 0
+            self.out, self.pos = self._feed(chunk), 0
+            self.offset += len(chunk)
+        n = min(len(buffer), len(self.out) - self.pos)
+        buffer[:n] = self.out[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def _feed(self, data: bytes) -> bytes:
+        """Decompress `data`, starting a new decoder at each frame end (a file may hold several)."""
+        parts = []
+        while data:
+            try:
+                parts.append(self.decoder.decompress(data))
+            except (zlib.error, *((self.zstd.ZstdError,) if self.zstd else ())) as e:
+                raise DataError(f"{self.path}: corrupt {self.format} data between bytes {self.offset:,} and "
+                                f"{self.offset + self.CHUNK:,} ({e})") from None
+            self.fresh = False
+            if not self.decoder.eof:
+                break
+            data, self.decoder, self.fresh = self.decoder.unused_data, self._decoder(), True
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
+
 def _open(path: Path):
-    """A binary file object, decompressing .gz and .zst."""
-    if path.suffix == ".gz":
-        return gzip.open(path, "rb")
-    if path.suffix == ".zst":  # buffered, as its reader has no readline of its own
-        return io.BufferedReader(require("zstandard", f"reading {path}").open(path, "rb"))
+    """A binary file object, decompressing .gz and .zst (checked to their end)."""
+    if path.suffix in (".gz", ".zst"):
+        return io.BufferedReader(Decompressed(path), Decompressed.CHUNK)
     return open(path, "rb")
 
 
@@ -166,13 +220,22 @@ def _check_text_column(type_name: str, field: str, where: str | Path) -> None:
 
 def _parquet_docs(path: Path, field: str) -> Iterator[str | None]:
     pq = require("pyarrow.parquet", f"reading {path}", "pyarrow")
-    table = pq.ParquetFile(path)
+    try:
+        table = pq.ParquetFile(path, page_checksum_verification=True)  # where the writer stored them
+    except Exception as e:  # no footer: cut short, or not parquet at all
+        raise DataError(f"{path}: not a readable parquet file, truncated or corrupt ({type(e).__name__}: {e})") from None
     if field not in table.schema_arrow.names:
         raise DataError(f"{path}: no {field!r} column (it has {', '.join(table.schema_arrow.names)}); "
                         "choose the text column with --text-field")
     _check_text_column(str(table.schema_arrow.field(field).type), field, path)
-    for batch in table.iter_batches(batch_size=1024, columns=[field]):
-        yield from batch.column(0).to_pylist()
+    rows = 0
+    try:
+        for batch in table.iter_batches(batch_size=1024, columns=[field]):
+            yield from batch.column(0).to_pylist()
+            rows += batch.num_rows
+    except Exception as e:  # a damaged page or row group: say where, never end the file early
+        raise DataError(f"{path}: corrupt data after row {rows:,} of {table.metadata.num_rows:,} "
+                        f"({type(e).__name__}: {e})") from None
 
 
 def _dataset_docs(ds, field: str, where: str) -> Iterator[str | None]:

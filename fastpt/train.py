@@ -488,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     check_runtime(cfg)
     d = distributed.setup(cfg.device)
     try:
-        return train(cfg, d)
+        with distributed.report_lost_ranks(d):
+            return train(cfg, d)
     finally:
         distributed.teardown(d)
 

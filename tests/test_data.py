@@ -83,10 +83,11 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> None:
         f.write(lines)
 
 
-def write_parquet(path: Path, docs: list[str], field: str = "text") -> None:
+def write_parquet(path: Path, docs: list[str], field: str = "text", row_group_size: int = 2) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=2)
+    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=row_group_size,
+                   write_page_checksum=True)
 
 
 def write_saved_dataset(path: Path, docs: list[str], field: str = "text") -> None:
@@ -107,6 +108,57 @@ def test_record_inputs_decode_to_the_source_documents(tmp_path, name, write, fie
     meta = prepare.prepare([tmp_path / name], tmp_path / "out", "bytes", text_field=field, workers=workers)
     got = [bytes(d.astype(np.uint8)).decode() for d in split_docs(stream(tmp_path / "out"), BYTES_EOT)]
     assert got == [d for d in docs if d] and meta["documents"] == len(docs) - 1
+
+
+def compress(data: bytes, suffix: str, frames: int = 1) -> bytes:
+    """gzip members or zstd frames (with the checksum the zstd tool writes), one after another."""
+    import zstandard
+    cut = [len(data) * i // frames for i in range(frames + 1)]
+    parts = [data[a:b] for a, b in zip(cut, cut[1:])]
+    pack = gzip.compress if suffix == ".gz" else zstandard.ZstdCompressor(write_checksum=True).compress
+    return b"".join(map(pack, parts))
+
+
+MANY_DOCS = [f"document {i}: " + "words " * (i % 97) for i in range(3000)]
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_compressed_input_of_several_frames_is_read_whole(tmp_path, suffix):
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in MANY_DOCS).encode()
+    (tmp_path / f"docs.jsonl{suffix}").write_bytes(compress(lines, suffix, frames=3))
+    meta = prepare.prepare([tmp_path / f"docs.jsonl{suffix}"], tmp_path / "out", "bytes", workers=1)
+    got = [bytes(d.astype(np.uint8)).decode() for d in split_docs(stream(tmp_path / "out"), BYTES_EOT)]
+    assert got == MANY_DOCS and meta["documents"] == len(MANY_DOCS)
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def garble(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(range(64))
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage, named", [(cut_in_half, "truncated"), (garble, "corrupt")], ids=["cut", "corrupt"])
+@pytest.mark.parametrize("name", ["docs.jsonl.gz", "docs.jsonl.zst", "docs.txt.gz", "docs.parquet"])
+def test_a_damaged_input_is_an_error_naming_it_never_a_shorter_corpus(tmp_path, capsys, name, damage, named):
+    """`prepare good.jsonl damaged.zst`: one line naming the damaged file (and where it broke), exit 2,
+    no dataset: a cut-off download must not become a silently smaller corpus."""
+    write_jsonl(tmp_path / "good.jsonl", DOCS)
+    damaged = tmp_path / name
+    if name.endswith(".parquet"):
+        write_parquet(damaged, MANY_DOCS, row_group_size=500)  # with page checksums, as Spark and DuckDB write
+    else:
+        text = "".join(json.dumps({"text": d}) + "\n" for d in MANY_DOCS) if ".jsonl" in name else "\n".join(MANY_DOCS)
+        damaged.write_bytes(compress(text.encode(), damaged.suffix))
+    damage(damaged)
+    for inputs in ([tmp_path / "good.jsonl", damaged], [damaged]):
+        argv = [*map(str, inputs), "--tokenizer", "bytes", "--workers", "1", "--out", str(tmp_path / "out")]
+        code, _, err = run_main(prepare.main, argv, capsys)
+        assert_one_line_error(code, err, str(damaged), named)
+        assert not (tmp_path / "out").exists() and not (tmp_path / ".out.prepare-tmp").exists()
 
 
 def test_a_pretrained_tokenizer_json_gives_its_own_ids_and_trains(tmp_path, capsys):

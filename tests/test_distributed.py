@@ -1,14 +1,17 @@
 """torchrun with real processes (gloo on CPU): DDP and FSDP follow a one-process run step for step,
-and checkpoints move between world sizes and layouts."""
+checkpoints move between world sizes and layouts, and a rank that dies is named and restarted from."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_train
+from conftest import REPO, TINY, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +97,64 @@ def test_one_process_checkpoint_resumes_sharded_in_two(runs, tiny_data, tmp_path
     out = resume_from(runs["one"], "ckpt_00000003.pt", tmp_path / "resumed")
     train(tiny_data, out, 2, "--resume", "--parallel", "fsdp")
     assert_same_curve(out, runs["one"], from_step=3)
+
+
+# ---- a rank that dies under torchrun
+
+DIST_FAULT = r"""
+import os, signal, sys
+import torch.distributed.checkpoint as dcp
+from fastpt import errors, model, train
+fault, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+victim = os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+real_forward, real_save = model.Transformer.forward, dcp.save
+accum = int(argv[argv.index("--grad-accum") + 1])
+forwards = 0
+
+def forward(self, idx, *args, **kwargs):
+    global forwards
+    if self.training and victim:
+        forwards += 1
+        if fault == "kill-at-step" and (forwards - 1) // accum + 1 == at:  # mid-step, before its update
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real_forward(self, idx, *args, **kwargs)
+
+def save(state, *, checkpoint_id):
+    if fault == "kill-in-dcp-save" and victim and checkpoint_id.name == f".ckpt_{at:08d}.partial":
+        checkpoint_id.mkdir(parents=True, exist_ok=True)
+        (checkpoint_id / "__1_0.distcp").write_bytes(b"half a shard")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(state, checkpoint_id=checkpoint_id)
+
+model.Transformer.forward, dcp.save = forward, save
+errors.run_command(lambda: train.main(argv))
+"""
+
+
+@pytest.mark.parametrize("layout, fault, at", [("ddp", "kill-at-step", 5), ("fsdp", "kill-in-dcp-save", 6)],
+                         ids=["ddp-rank-killed-mid-step", "fsdp-rank-killed-writing-a-checkpoint"])
+def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(runs, tiny_data, tmp_path,
+                                                                               layout, fault, at):
+    """torchrun --max-restarts 1, rank 1 SIGKILLed (in step 5, or while writing the sharded checkpoint of
+    step 6): the survivor stops within the collective timeout with one line naming rank 1, the restarted
+    group resumes from the newest complete checkpoint (step 3: a half-written one is never taken), and
+    every logged loss equals the uninterrupted two-process run's exactly."""
+    script = tmp_path / "faulty.py"
+    script.write_text(DIST_FAULT)
+    out = tmp_path / "run"
+    args = [*COMMON, "--data", str(tiny_data), "--out", str(out), *TWO_PROCS, "--parallel", layout, "--resume"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(script), fault, str(at), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTPT_COLLECTIVE_TIMEOUT": "60"}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    lost = [line for line in result.stderr.splitlines() if line.startswith("fastpt: error: rank 0: rank 1 (pid")]
+    assert len(lost) == 1 and "died" in lost[0], result.stderr[-4000:]
+    assert "Traceback" not in result.stderr.split("fastpt: error: rank 0")[0][-3000:]  # no survivor's traceback
+    assert result.stdout.count("resumed from") == 1 and f"resumed from {out / checkpoint_name(layout, 3)}" in result.stdout
+    assert curve(out) == curve(runs[layout])  # exactly, step for step
+    assert not list(out.glob(".ckpt_*"))  # the half-written checkpoint was cleared by the next save
+
+
+def checkpoint_name(layout: str, step: int) -> str:
+    return f"ckpt_{step:08d}" + (".pt" if layout == "ddp" else "")

@@ -235,7 +235,7 @@ def test_export_replaces_only_an_earlier_export_and_only_when_asked(run_dir, tmp
     monkeypatch.chdir(notes)
     for out in (str(notes), "."):  # not even with --overwrite: it is not a model folder
         assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", out, "--overwrite"], capsys)[::2],
-                              "not a Hugging Face model: nothing deleted")
+                              "did not write (todo.txt): nothing deleted")
     assert os.listdir(notes) == ["todo.txt"]
     assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(run_dir), "--overwrite"], capsys)[::2],
                           "holds the checkpoint")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY, read_metrics, run_train, train_refuses
+from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train, train_refuses
 from fastpt import checkpoint, metrics
 from fastpt.shards import write_shard
 
@@ -228,6 +228,8 @@ BAD_SHARDS = {
     "bad magic": (set_header(0, 12345), "bad magic 12345"),
     "bad version": (set_header(1, 3), "version 3 does not match magic 20240520"),
     "truncated": (lambda p: os.truncate(p, p.stat().st_size - 2), "header says"),
+    "dangling symlink (beside meta.json)": (lambda p: (p.unlink(), p.symlink_to(p.with_name("gone.bin"))),
+                                            "a dangling symlink"),
     "token id out of range": (lambda p: write_shard(p, np.arange(301)),
                               "token id 300 is out of range for vocab size 257"),
 }
@@ -377,15 +379,28 @@ def test_metrics_rewind_is_atomic(tmp_path, monkeypatch):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
 
 
+def mount_tmpfs(mount: Path, size: str):
+    """A real filesystem of `size` (tmpfs) at `mount`, where the machine lets the tests mount one."""
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here (the RLIMIT_FSIZE tests cover failed writes)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real 24 MiB filesystem (tmpfs), where the machine lets the tests mount one."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs is not permitted here (the RLIMIT_FSIZE test covers failed writes)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
+    """A real 24 MiB filesystem."""
+    yield from mount_tmpfs(tmp_path / "disk", "24m")
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real 3 MiB filesystem."""
+    yield from mount_tmpfs(tmp_path / "disk", "3m")
 
 
 def test_a_full_disk_is_survived_and_the_final_checkpoint_attempted(small_disk, tiny_data):
@@ -469,3 +484,172 @@ def test_a_run_outlives_the_reader_of_its_output(tiny_data, tmp_path):
     assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
     assert checkpoint.latest(tmp_path).name == "ckpt_00000010.pt"
     assert [step for step, _ in losses(tmp_path)] == list(range(1, 11))
+
+
+# ---- fastpt.plot on what a crash leaves
+
+def train_record(step: int) -> str:
+    return json.dumps({"step": step, "loss": 5.0 / step, "tokens": 128 * step, "lr": 1e-3, "tok_s": 1000.0})
+
+
+DAMAGED_LINES = [b"\xff\xfe not UTF-8", bytes(range(14, 256)) * 4, b"[1, 2, 3]", b'{"loss": 1.0, "tokens": 1}',
+                 b'{"step": "3", "loss": 1.0, "tokens": 1, "lr": 0.1, "tok_s": 1.0}', b'{"step": 4, "loss": "low"}']
+
+
+def test_plot_skips_damaged_lines_and_says_how_many(tmp_path, capsys):
+    from fastpt import plot
+    lines = [train_record(1).encode(), *DAMAGED_LINES, train_record(2).encode(),
+             b'{"step": 2, "val_loss": 2.5, "val_ppl": 12.2}', train_record(3).encode()[:20]]  # cut by a kill
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    code, out, err = run_main(plot.main, [str(tmp_path)], capsys)
+    assert code == 0, err
+    assert err == (f"fastpt: warning: {tmp_path / 'metrics.jsonl'}: skipped 7 damaged lines (line 2, 3, 4, ...); "
+                   "plotted 2 train and 1 eval records\n")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(DAMAGED_LINES))
+    assert_one_line_error(*run_main(plot.main, [str(tmp_path)], capsys)[::2],
+                          f"{tmp_path / 'metrics.jsonl'} has no train records (6 damaged lines, the first line 1)")
+
+
+def test_plot_into_a_folder_it_cannot_write_is_one_line(tmp_path, capsys):
+    from fastpt import plot
+    (tmp_path / "metrics.jsonl").write_text(train_record(1) + "\n" + train_record(2) + "\n")
+    code, _, err = run_main(plot.main, [str(tmp_path), "--out", "/proc/loss.png"], capsys)
+    assert_one_line_error(code, err, "cannot write /proc/loss.png", "--out", expected_code=1)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        shutil.copy(tmp_path / "metrics.jsonl", disk)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)  # a read-only run folder
+        code, _, err = run_main(plot.main, [str(disk)], capsys)
+        assert_one_line_error(code, err, f"cannot write {disk / 'loss.png'}: Read-only file system", expected_code=1)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+# ---- caches and leftovers
+
+def test_a_damaged_or_fooled_token_id_cache_is_recomputed(tmp_path):
+    """The cache beside a shard: cut off after its key, garbage, or keyed to bytes since rewritten
+    (same size, mtime set back): each is recomputed, never trusted or fatal."""
+    from fastpt.data import max_token_id
+    shard = write_shard(tmp_path / "train_000000.bin", np.arange(2000) % 250, 257)
+    cache = tmp_path / ".train_000000.bin.maxid"
+    assert max_token_id(shard, False) == 249 and cache.is_file()
+    key = cache.read_text().split(" ")[0]
+    for damaged in (key.encode(), key.encode() + b" ", b"\xff\x00garbage", b""):
+        cache.write_bytes(damaged)
+        assert max_token_id(shard, False) == 249
+        assert cache.read_text() == f"{key} 249"
+    before = shard.stat()
+    tokens = np.arange(2000) % 250
+    tokens[1234] = 256
+    write_shard(shard, tokens, 257)  # the same size ...
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))  # ... and the same mtime
+    assert shard.stat().st_size == before.st_size and shard.stat().st_mtime_ns == before.st_mtime_ns
+    assert max_token_id(shard, False) == 256
+
+
+KILLED_REWIND = """
+import os, signal, sys
+from pathlib import Path
+from fastpt import metrics
+os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # the copy is complete, not yet renamed
+metrics.rewind(Path(sys.argv[1]), 4)
+"""
+
+
+def test_a_rewind_killed_midway_keeps_the_history_and_the_next_resume_removes_its_copy(reference, tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    history = (run_dir / "metrics.jsonl").read_bytes()
+    killed = subprocess.run([sys.executable, "-c", KILLED_REWIND, str(run_dir / "metrics.jsonl")], cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL
+    assert [p.name.split(".tmp")[0] for p in run_dir.glob(".metrics.jsonl.tmp*")] == [".metrics.jsonl"]
+    assert (run_dir / "metrics.jsonl").read_bytes() == history
+    resumed = run_train(*run_args(tiny_data, run_dir), "--resume")  # at step 10 of 10: nothing to train
+    assert resumed.returncode == 0, resumed.stderr
+    assert not list(run_dir.glob(".metrics.jsonl.tmp*"))
+    assert (run_dir / "metrics.jsonl").read_bytes() == history
+
+
+# ---- a full disk in prepare and export: one line naming the path and the OS's reason, exit 1
+
+def run_command_line(module: str, *args: str, fsize: int = 0) -> subprocess.CompletedProcess:
+    """python -m fastpt.MODULE as a real process; fsize > 0 sets RLIMIT_FSIZE (`ulimit -f`) in it."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
+    return subprocess.run([sys.executable, "-m", f"fastpt.{module}", *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          preexec_fn=limit if fsize else None)
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def big_corpus(tmp_path: Path) -> Path:
+    text = (REPO / "fastpt" / "train.py").read_text()
+    (tmp_path / "big.txt").write_text(text * (3 * 2**20 // len(text)))  # 3 MB: 6 MB of uint16 shards
+    return tmp_path / "big.txt"
+
+
+def test_prepare_onto_a_disk_that_fills_is_one_line_and_keeps_the_earlier_dataset(tiny_disk, tmp_path):
+    out = tiny_disk / "data"
+    (tmp_path / "small.txt").write_text("a small corpus\n" * 500)
+    first = run_command_line("prepare", str(tmp_path / "small.txt"), "--out", str(out), "--tokenizer", "bytes")
+    assert first.returncode == 0, first.stderr
+    earlier = folder_bytes(out)
+    result = run_command_line("prepare", str(big_corpus(tmp_path)), "--out", str(out), "--tokenizer", "bytes",
+                              "--workers", "1", "--overwrite")
+    assert_one_line_error(result.returncode, result.stderr, f"fastpt.prepare could not write {out}: "
+                          "No space left on device (nothing published; its earlier contents are intact)",
+                          expected_code=1)
+    assert os.listdir(tiny_disk) == ["data"] and folder_bytes(out) == earlier  # no temporary folder left
+
+
+def test_prepare_past_a_file_size_limit_is_one_line_not_a_silent_death(tmp_path):
+    """`ulimit -f`: a write past it raises SIGXFSZ, which kills a process without a word by default."""
+    out = tmp_path / "data"
+    result = run_command_line("prepare", str(big_corpus(tmp_path)), "--out", str(out), "--tokenizer", "bytes",
+                              "--workers", "1", fsize=1 << 20)
+    assert_one_line_error(result.returncode, result.stderr, f"could not write {out}: File too large",
+                          expected_code=1)
+    assert sorted(os.listdir(tmp_path)) == ["big.txt"]
+
+
+def test_export_onto_a_disk_that_fills_is_one_line_and_keeps_the_earlier_export(reference, tiny_disk):
+    out = tiny_disk / "hf"
+    first = run_command_line("export", str(reference), "--out", str(out), "--dtype", "bf16")  # ~1 MB
+    assert first.returncode == 0, first.stderr
+    earlier = folder_bytes(out)
+    free = os.statvfs(tiny_disk).f_bavail * os.statvfs(tiny_disk).f_frsize
+    (tiny_disk / "filler").write_bytes(b"\0" * (free - 100_000))  # a nearly full disk
+    result = run_command_line("export", str(reference), "--out", str(out), "--overwrite")
+    assert_one_line_error(result.returncode, result.stderr, f"fastpt.export could not write {out}: "
+                          "No space left on device (nothing published; its earlier contents are intact)",
+                          expected_code=1)
+    assert sorted(os.listdir(tiny_disk)) == ["filler", "hf"] and folder_bytes(out) == earlier
+    limited = run_command_line("export", str(reference), "--out", str(reference.parent / "hf-limited"),
+                               fsize=100_000)
+    assert_one_line_error(limited.returncode, limited.stderr, "hf-limited: File too large", expected_code=1)
+    assert not list(reference.parent.glob("*hf-limited*"))
+
+
+def test_export_overwrite_never_deletes_a_users_file(reference, tmp_path, capsys):
+    from fastpt import export
+    out = tmp_path / "hf"
+    assert run_main(export.main, [str(reference), "--out", str(out)], capsys)[0] == 0
+    (out / "notes.md").write_text("my eval results")
+    before = folder_bytes(out)
+    code, _, err = run_main(export.main, [str(reference), "--out", str(out), "--overwrite", "--dtype", "bf16"], capsys)
+    assert_one_line_error(code, err, f"--out {out} holds files that fastpt.export did not write (notes.md): "
+                          "nothing deleted")
+    assert folder_bytes(out) == before
+    (out / "notes.md").unlink()
+    assert run_main(export.main, [str(reference), "--out", str(out), "--overwrite", "--dtype", "bf16"], capsys)[0] == 0
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
