@@ -26,7 +26,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / load_state_dict(), as torchtitan's
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
@@ -67,14 +68,6 @@ def latest(run_dir: str | Path) -> Path | None:
     whole). The `latest` file beside them names it for people and tools; fastpt never needs it."""
     found = checkpoints(run_dir)
     return found[-1] if found else None
-
-
-class Stateful(Protocol):
-    """What a checkpoint entry is (torch.distributed.checkpoint.stateful.Stateful's protocol)."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _options(state: dict) -> StateDictOptions:
