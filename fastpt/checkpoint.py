@@ -21,12 +21,13 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import random
 import re
 import shutil
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,14 +40,15 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / load_state_dict(), as torchtitan's
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fastpt.errors import CheckpointError, FastptError
 from fastpt.files import fsync_dir, write_atomic
 
-__all__ = ["Checkpointer", "ModelState", "OptimizerState", "Stateful", "apply", "checkpoints", "find", "latest",
-           "load", "restore", "save", "step_of", "tokenizer_of"]
+__all__ = ["Checkpointer", "ModelState", "OptimizerState", "RNGState", "Stateful", "apply", "checkpoints", "find",
+           "latest", "load", "restore", "save", "step_of", "tokenizer_of"]
 
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 STATE_FILE = "state.pt"
@@ -67,14 +69,6 @@ def latest(run_dir: str | Path) -> Path | None:
     whole). The `latest` file beside them names it for people and tools; fastpt never needs it."""
     found = checkpoints(run_dir)
     return found[-1] if found else None
-
-
-class Stateful(Protocol):
-    """What a checkpoint entry is (torch.distributed.checkpoint.stateful.Stateful's protocol)."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _options(state: dict) -> StateDictOptions:
@@ -109,6 +103,33 @@ class OptimizerState:
 
     def load_state_dict(self, state: dict) -> None:
         set_optimizer_state_dict(self.model, self.optimizers, state, options=_options(state))
+
+
+class RNGState:
+    """Python's, NumPy's and torch's generators (and CUDA's), as tensors and plain values that
+    torch.load(weights_only=True) reads."""
+
+    def state_dict(self) -> dict:
+        numpy = np.random.get_state(legacy=False)  # {"bit_generator", "state": {"key": uint32 array, "pos"}, ...}
+        numpy["state"]["key"] = torch.from_numpy(numpy["state"]["key"].astype(np.int64))
+        state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Generators take their state as CPU byte tensors only; a checkpoint loaded onto the GPU
+        (map_location=device) brings these back as CUDA tensors. Earlier releases stored NumPy's
+        state as its legacy tuple, which set_state takes as it is."""
+        random.setstate(state["python"])
+        numpy = state["numpy"]
+        if isinstance(numpy, dict):
+            key = numpy["state"]["key"].cpu().numpy().astype(np.uint32)
+            numpy = {**numpy, "state": {**numpy["state"], "key": key}}
+        np.random.set_state(numpy)
+        torch.set_rng_state(state["torch"].cpu())
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bool = True) -> Path | None:

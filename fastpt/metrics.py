@@ -126,7 +126,8 @@ class Dashboard:
                 + (f"Z: {r['z_loss']:.2e} | " if self.z_loss else "")
                 + f"LR: {r['lr']:.2e} | Norm: {r['grad_norm']:.3f} | Mem: {r['peak_mem_gib']:.2f} GiB | "
                 f"Speed: {r['tok_s']:,.0f} tok/s" + (f" | MFU: {r['mfu']:.1%}" if r["mfu"] is not None else "")
-                + (f" | Recompiles: {r['recompiles']}" if self.compile else "") + f" | ETA {'after warm-up' if eta_s is None else fmt_duration(eta_s)}")
+                + (f" | Recompiles: {r['recompiles']}" if self.compile else "")
+                + f" | ETA {'after warm-up' if eta_s is None else fmt_duration(eta_s)}")
 
 
 def rewind(path: Path, step: int) -> None:

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 import kernels
 from fastpt import checkpoint, distributed, float8
-from fastpt.checkpoint import Checkpointer, ModelState, OptimizerState
+from fastpt.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
 from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
                            parse_args, profile_steps, resolve, to_toml)
 from fastpt.data import Source, TrainLoader, WindowSet, common_vocab, data_sources, describe_data, open_windows
@@ -129,33 +129,6 @@ class TrainState:
         self.window_loss.zero_()
         self.window_z_loss.zero_()
         self.window_steps = 0
-
-
-class RNGState:
-    """Python's, NumPy's and torch's generators (and CUDA's), as tensors and plain values that
-    torch.load(weights_only=True) reads."""
-
-    def state_dict(self) -> dict:
-        numpy = np.random.get_state(legacy=False)  # {"bit_generator", "state": {"key": uint32 array, "pos"}, ...}
-        numpy["state"]["key"] = torch.from_numpy(numpy["state"]["key"].astype(np.int64))
-        state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Generators take their state as CPU byte tensors only; a checkpoint loaded onto the GPU
-        (map_location=device) brings these back as CUDA tensors. Earlier releases stored NumPy's
-        state as its legacy tuple, which set_state takes as it is."""
-        random.setstate(state["python"])
-        numpy = state["numpy"]
-        if isinstance(numpy, dict):
-            key = numpy["state"]["key"].cpu().numpy().astype(np.uint32)
-            numpy = {**numpy, "state": {**numpy["state"], "key": key}}
-        np.random.set_state(numpy)
-        torch.set_rng_state(state["torch"].cpu())
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 class Preemption:

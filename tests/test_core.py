@@ -232,6 +232,9 @@ def test_config_precedence_file_errors_and_round_trip(tmp_path):
         resolve({"dtype": "fp8"}, None, "cpu")
     with pytest.raises(ConfigError, match="'warmup_steps' \\(600\\)"):
         resolve({"warmup_steps": 600, "max_steps": 100}, None, "cpu")
+    # a contradiction between two keys is the config's to refuse, not the distributed layer's
+    with pytest.raises(ConfigError, match="'compile_mode' = 'reduce-overhead' uses CUDA graphs, which FSDP"):
+        resolve({"parallel": "fsdp", "compile": True, "compile_mode": "reduce-overhead", "grad_accum": 1}, None, "cuda")
 
 
 def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path, capsys):
