@@ -148,18 +148,19 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     return ckpt
 
 
-def load_state(path: Path, ckpt: dict, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_state(path: Path, ckpt: dict, model: nn.Module, optimizer=None) -> None:
     """Load model (and optimizer) state from either kind of checkpoint into this run's layout.
 
     `ckpt` is what `load` returned: a single file carries full tensors, which set_state_dict
     shards under FSDP; a directory's tensors are read by DCP, resharded to this world size (or
     gathered whole for a plain or DDP run, or for sampling).
     """
-    optimizers = [optimizer] if optimizer else []
+    # One optimizer, or several that iterate (fastpt.optim.Optimizers): their states are keyed by parameter name.
+    optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
     try:
         if "model" in ckpt:
             set_state_dict(model, optimizers, model_state_dict=ckpt["model"],
-                           optim_state_dict=ckpt["optimizer"] if optimizer else {},
+                           optim_state_dict=ckpt["optimizer"] if optimizers else {},
                            options=StateDictOptions(full_state_dict=True))
             return
         model_state, optim_state = get_state_dict(model, optimizers)  # the layout to read into

@@ -231,6 +231,21 @@ def _meta_json_vocab(path: Path) -> int:
     return vocab
 
 
+def doc_token(folder: Path) -> int | None:
+    """The token that starts every document (meta.json's eot_id, as fastpt.prepare records it); None
+    when the folder has no meta.json or its tokenizer has no such token."""
+    path = Path(folder) / "meta.json"
+    if not path.is_file():
+        return None
+    try:
+        eot = json.loads(path.read_text()).get("eot_id")
+    except (OSError, UnicodeError, ValueError, AttributeError) as e:
+        raise DataError(f"{path}: not a readable fastpt meta.json ({type(e).__name__}: {e})") from None
+    if eot is not None and (not isinstance(eot, int) or isinstance(eot, bool) or eot < 0):
+        raise DataError(f"{path}: eot_id {eot!r} is not a token id")
+    return eot
+
+
 def max_token_id(path: Path, headerless: bool) -> int:
     """Largest id in a shard, scanned in chunks; cached beside the shard by size and mtime."""
     cache = path.with_name(f".{path.name}.maxid")

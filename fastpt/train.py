@@ -23,13 +23,13 @@ import kernels
 from fastpt import checkpoint, distributed, float8
 from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
                            parse_args, profile_steps, resolve, to_toml)
-from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, eval_batches, find_shards
+from fastpt.data import TrainLoader, Windows, check_token_ids, data_vocab, doc_token, eval_batches, find_shards
 from fastpt.errors import CheckpointError, ConfigError, DataError, print_or_drop, run_command
 from fastpt.files import lock
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import MetricsLogger, Pace, device_name, peak_flops, peak_mem_gib, rewind
 from fastpt.model import Transformer
-from fastpt.optim import build_optimizer, lr_at
+from fastpt.optim import lr_schedule, optimizer_for
 from fastpt.profiling import StepProbe
 from fastpt.tokenizer import copy_for_run, same_tokenizer
 
@@ -227,7 +227,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     if d.is_main and init_tokenizer and data_tokenizer.is_file() and not same_tokenizer(init_tokenizer, data_tokenizer):
         print(f"fastpt: warning: {data_dir} was not prepared with {init_tokenizer}: its ids mean other tokens "
               f"to the model of --init-from (prepare it with --tokenizer {init_tokenizer})", file=sys.stderr)
-    mcfg = model_config(cfg, vocab, init[0] if init else None)
+    mcfg = model_config(cfg, vocab, init[0] if init else None, doc_token(data_dir))
     check_token_ids(train_shards + val_shards, mcfg.vocab_size, headerless)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     train_windows = Windows(train_shards, seq_len, headerless)
@@ -246,8 +246,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         float8.convert(raw_model)
     model = distributed.parallelize(raw_model, d, cfg.parallel, DTYPES[cfg.dtype],
                                     cfg.compile_mode if cfg.compile else None)
-    optimizer = build_optimizer(raw_model, cfg.weight_decay, cfg.decay_rule, cfg.lr,
-                                (cfg.beta1, cfg.beta2), cfg.eps)
+    optimizer = optimizer_for(raw_model, cfg)  # AdamW, or Muon + AdamW as one (fastpt.optim.Optimizers)
     autocast = torch.autocast(device.type, dtype=DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16")
 
@@ -258,6 +257,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         if diff := model_mismatch(ckpt["model_config"], mcfg):
             raise ConfigError(f"{path} was written for another model ({diff}); "
                               "resume with the same preset, shape keys and data")
+        if (saved := ckpt.get("train_config", {}).get("optimizer", "adamw")) != cfg.optimizer:
+            raise ConfigError(f"{path} was written with --optimizer {saved}: resume with the same optimizer")
         checkpoint.load_state(path, ckpt, raw_model, optimizer)  # any layout, any world size
         scaler.load_state_dict(ckpt["scaler"])
         try:
@@ -328,9 +329,10 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                       cuda_graphs=cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES)
     exit_code = 0
     while state.step < cfg.max_steps:
-        lr = lr_at(state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        lr = lr_schedule(cfg.schedule, state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio,
+                         cfg.decay_fraction)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group runs at muon_lr on the same curve
         with probe.step(state.step + 1):  # --profile, recompiles
             result = train_step(model, optimizer, scaler, loader, cfg.grad_accum, autocast, cfg.max_grad_norm, d,
                                 skip_nonfinite=cfg.on_nonfinite == "skip")
