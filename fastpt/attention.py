@@ -45,6 +45,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
            enable_gqa: bool) -> torch.Tensor:
     """Masked attention of q (B, H, T, hd) over k, v (B, Hkv, T, hd) -> (B, H, T, hd)."""
     if isinstance(mask, BlockMask):
-        flex = _compiled_flex if q.device.type == "cuda" else flex_attention
-        return flex(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+        if q.device.type == "cuda":
+            return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+        # Inductor's CPU FlexAttention template fails to lower transposed views (torch 2.13)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa)
