@@ -52,7 +52,7 @@ def run_recipe(name: str, flags: list[str], steps: int, args: argparse.Namespace
            "--max-steps", str(steps), "--out", str(out), *flags]
     print(f"race: {name}: {' '.join(flags) or '(the seed recipe)'} for {steps} steps", flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     row = {"recipe": name, "flags": flags, "steps": steps, "process_s": time.perf_counter() - start}
     if proc.returncode != 0:
         return {**row, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}

@@ -3,7 +3,7 @@ learning-rate schedules: the seed's warmup + cosine, warmup-stable-decay and lin
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
