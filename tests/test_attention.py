@@ -179,3 +179,23 @@ def test_document_attention_under_fsdp_follows_one_process(tiny_data, tmp_path):
     one = train_dist(tiny_data, tmp_path / "one", 0, "--attention", "document")
     fsdp = train_dist(tiny_data, tmp_path / "fsdp", 2, "--attention", "document", "--parallel", "fsdp")
     assert_same_curve(fsdp, one)
+
+
+def test_export_is_the_standard_llama_whatever_the_training_mask():
+    from fastpt.hf import to_hf_config
+
+    causal = dataclasses.replace(CFG, attention="causal", doc_token=None)
+    assert to_hf_config(CFG, torch.float32, DOC, DOC) == to_hf_config(causal, torch.float32, DOC, DOC)
+
+
+def test_the_data_folders_document_token(tiny_data, tmp_path):
+    from fastpt.data import doc_token
+    from fastpt.errors import DataError
+
+    assert doc_token(tiny_data) == json.loads((tiny_data / "meta.json").read_text())["eot_id"] == 256
+    assert doc_token(tmp_path) is None  # no meta.json
+    (tmp_path / "meta.json").write_text('{"eot_id": null}')
+    assert doc_token(tmp_path) is None  # a tokenizer without one
+    (tmp_path / "meta.json").write_text('{"eot_id": "256"}')
+    with pytest.raises(DataError, match="meta.json: eot_id '256' is not a token id"):
+        doc_token(tmp_path)
