@@ -14,13 +14,18 @@ Both are plain tensor code of the batch, so torch.compile builds one graph for e
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-# Compiled once per shape: FlexAttention is only fused when compiled (eager materializes the scores).
-# Inside a compiled model dynamo inlines it.
-_compiled_flex = torch.compile(flex_attention, dynamic=False)
+
+@functools.cache
+def _standalone_flex():
+    """FlexAttention compiled on its own, for an eager model: eager FlexAttention materializes the
+    scores. Made on first use (torch.compile imports inductor, seconds that no other run should pay)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def document_ids(idx: torch.Tensor, doc_token: int) -> torch.Tensor:
@@ -45,8 +50,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | 
            enable_gqa: bool) -> torch.Tensor:
     """Masked attention of q (B, H, T, hd) over k, v (B, Hkv, T, hd) -> (B, H, T, hd)."""
     if isinstance(mask, BlockMask):
-        if q.device.type == "cuda":
-            return _compiled_flex(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
+        if q.device.type == "cuda":  # a compiled model fuses flex_attention into its own graph
+            flex = flex_attention if torch.compiler.is_compiling() else _standalone_flex()
+            return flex(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
         # Inductor's CPU FlexAttention template fails to lower transposed views (torch 2.13)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=enable_gqa)
