@@ -43,20 +43,22 @@ def seed_flags(args: argparse.Namespace, data: Path) -> list[str]:
     return flags + (["--device", args.device] if args.device else []) + shlex.split(args.train_args)
 
 
-def run_recipe(name: str, flags: list[str], steps: int, args: argparse.Namespace, data: Path) -> dict:
-    """One run from scratch in WORK/name; its curve, or the error that stopped it."""
+def run_recipe(name: str, flags: list[str], steps: int, args: argparse.Namespace, data: Path,
+               cadence: tuple[str, ...] = ()) -> dict:
+    """One run from scratch in WORK/name; its curve, or the error that stopped it. `cadence`: flags
+    after the recipe's (log / eval intervals of a speed run)."""
     out = Path(args.work) / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, not a resumed one
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     cmd = ["nice", "-n", str(args.nice), sys.executable, "-m", "fastpt.train", *seed_flags(args, data),
-           "--max-steps", str(steps), "--out", str(out), *flags]
+           "--max-steps", str(steps), "--out", str(out), *flags, *cadence]
     print(f"race: {name}: {' '.join(flags) or '(the seed recipe)'} for {steps} steps", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     row = {"recipe": name, "flags": flags, "steps": steps, "process_s": time.perf_counter() - start}
     if proc.returncode != 0:
         return {**row, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
-    return {**row, **curve(out / "metrics.jsonl")}
+    return {**row, **curve(out / "metrics.jsonl"), "windows": windows(out / "metrics.jsonl")}
 
 
 def curve(metrics: Path) -> dict:
@@ -72,6 +74,42 @@ def curve(metrics: Path) -> dict:
                           "val_loss": record["val_loss"]})
     return {"evals": evals, "final_val_loss": evals[-1]["val_loss"], "tokens": tokens, "train_s": seconds,
             "tok_s": tokens / seconds}
+
+
+def windows(metrics: Path) -> list[tuple[int, float]]:
+    """The dashboard windows as (tokens, seconds)."""
+    tokens, out = 0, []
+    for record in map(json.loads, metrics.read_text().splitlines()):
+        if "loss" in record:
+            out.append((record["tokens"] - tokens, (record["tokens"] - tokens) / record["tok_s"]))
+            tokens = record["tokens"]
+    return out
+
+
+def speed(chosen: dict[str, list[str]], args: argparse.Namespace, data: Path) -> list[dict]:
+    """Each recipe's steady training tok/s: runs of --speed-steps steps, the recipes interleaved over
+    --speed-rounds rounds (a shared machine's drifting load falls on all of them alike), the first
+    of three dashboard windows (warm-up) left out; the median over the rounds."""
+    runs: dict[str, list[float]] = {name: [] for name in chosen}
+    cadence = ("--log-every", str(max(1, args.speed_steps // 3)), "--eval-every", str(10**9))
+    for _ in range(args.speed_rounds):
+        for name, flags in chosen.items():
+            row = run_recipe(f"speed-{name}", flags, args.speed_steps, args, data, cadence)
+            if "error" not in row:
+                steady = row["windows"][1:]
+                runs[name].append(sum(t for t, _ in steady) / sum(s for _, s in steady))
+    rows = [{"recipe": name, "flags": chosen[name], "tok_s_runs": v, "tok_s": sorted(v)[len(v) // 2] if v else None}
+            for name, v in runs.items()]
+    for row in rows:
+        row["tok_s_vs_seed"] = row["tok_s"] and rows[0]["tok_s"] and row["tok_s"] / rows[0]["tok_s"]
+    return rows
+
+
+def speed_table(rows: list[dict]) -> str:
+    return markdown_table(["recipe", "flags", "train tok/s (median)", "vs seed", "each round"], [
+        [r["recipe"], f"`{' '.join(r['flags'])}`" if r["flags"] else "", fmt(r["tok_s"], ",.0f"),
+         fmt(r["tok_s_vs_seed"], ".2f") + ("x" if r["tok_s_vs_seed"] else ""),
+         ", ".join(f"{v:,.0f}" for v in r["tok_s_runs"]) or "failed"] for r in rows])
 
 
 def reach(row: dict, target: float) -> dict | None:
@@ -125,9 +163,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                 "(default: %(default)s)")
     ap.add_argument("--recipe", action="append", default=[], metavar='NAME="FLAGS"',
                     help="one more option, e.g. --recipe 'bos=--packing bos' (repeatable)")
-    ap.add_argument("--steps", type=int, default=400, help="optimizer steps per run (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=400, help="optimizer steps per run; 0 = only the speed runs "
+                                                           "(default: %(default)s)")
     ap.add_argument("--short", type=float, default=0.6, help="also run the best combination for this fraction "
                                                              "of the steps; 0 = not (default: %(default)s)")
+    ap.add_argument("--speed-rounds", type=int, default=0, help="first measure each recipe's tok/s in this many "
+                                                                "interleaved rounds (default: %(default)s)")
+    ap.add_argument("--speed-steps", type=int, default=30, help="steps per speed run (default: %(default)s)")
     ap.add_argument("--preset", default="tiny", help="(default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=256, help="(default: %(default)s)")
     ap.add_argument("--micro-batch", type=int, default=16, help="(default: %(default)s)")
@@ -144,8 +186,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--work", default="/tmp/fastpt-race", help="the runs' folders (default: %(default)s)")
     ap.add_argument("--save", default="", help="folder for race.json / race.md (default: print only)")
     args = ap.parse_args(argv)
-    args.warmup_steps = args.warmup_steps or max(1, args.steps // 20)
-    args.eval_every = args.eval_every or max(1, args.steps // 20)
+    length = args.steps or args.speed_steps
+    args.warmup_steps = args.warmup_steps or max(1, length // 20)
+    args.eval_every = args.eval_every or max(1, length // 20)
     return args
 
 
@@ -174,28 +217,41 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from fastpt.prepare import default_corpus
         data = default_corpus(4096)
+    info = {"args": vars(args), "data": str(data), **versions(), "commit": git_commit(), "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if args.speed_rounds:
+        load_before = os.getloadavg()
+        speeds = speed(chosen, args, data)
+        md = speed_table(speeds)
+        print(md)
+        save(args.save, "speed", {"rows": speeds, **info, "loadavg": {"before": load_before, "after": os.getloadavg()}},
+             md)
+    if not args.steps:
+        return 0
     load_before = os.getloadavg()
     rows = [run_recipe(name, flags, args.steps, args, data) for name, flags in chosen.items()]
     if "error" in rows[0]:
         print(f"bench race: the seed recipe failed: {rows[0]['error']}", file=sys.stderr)
         return 1
     best = best_flags(rows)
-    same = next((r for r in rows[1:] if r["flags"] == best), None)
-    if best and same is None:  # one option alone is already its own best combination
+    same = next((r for r in rows[1:] if r["flags"] == best), None)  # one option alone: its own best combination
+    if best and same is None:
         rows.append(run_recipe("best", best, args.steps, args, data))
     if best and args.short:
         rows.append(run_recipe(f"best@{args.short:g}x", best, round(args.short * args.steps), args, data))
     score(rows)
-    result = {"rows": rows, "best_flags": best, "args": vars(args), "data": str(data), **versions(),
-              "commit": git_commit(), "cpus": os.cpu_count(), "loadavg": {"before": load_before,
-                                                                          "after": os.getloadavg()},
-              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    result = {"rows": rows, "best_flags": best, **info, "loadavg": {"before": load_before, "after": os.getloadavg()}}
     md = table(rows)
     print(md)
     print(f"target: the seed's final val loss {rows[0]['final_val_loss']:.4f}; best combination: "
           f"{' '.join(best) or 'none (no option beat the seed)'}; load {fmt(load_before[0], '.1f')} before, "
           f"{fmt(result['loadavg']['after'][0], '.1f')} after")
-    if args.save:
-        write_json(Path(args.save) / "race.json", result)
-        (Path(args.save) / "race.md").write_text(md + "\n")
+    save(args.save, "race", result, md)
     return 0
+
+
+def save(folder: str, name: str, result: dict, md: str) -> None:
+    """NAME.json and NAME.md in folder ('' = nowhere)."""
+    if folder:
+        write_json(Path(folder) / f"{name}.json", result)
+        (Path(folder) / f"{name}.md").write_text(md + "\n")
