@@ -227,7 +227,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     if d.is_main and init_tokenizer and data_tokenizer.is_file() and not same_tokenizer(init_tokenizer, data_tokenizer):
         print(f"fastpt: warning: {data_dir} was not prepared with {init_tokenizer}: its ids mean other tokens "
               f"to the model of --init-from (prepare it with --tokenizer {init_tokenizer})", file=sys.stderr)
-    mcfg = model_config(cfg, vocab, init[0] if init else None, doc_token(data_dir))
+    mcfg = model_config(cfg, vocab, init[0] if init else None,
+                        doc_token(data_dir) if cfg.attention == "document" else None)
     check_token_ids(train_shards + val_shards, mcfg.vocab_size, headerless)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     train_windows = Windows(train_shards, seq_len, headerless)
