@@ -155,8 +155,8 @@ def load_state(path: Path, ckpt: dict, model: nn.Module, optimizer=None) -> None
     shards under FSDP; a directory's tensors are read by DCP, resharded to this world size (or
     gathered whole for a plain or DDP run, or for sampling).
     """
-    # One optimizer, or several that iterate (fastpt.optim.Optimizers): their states are keyed by parameter name.
-    optimizers = [] if optimizer is None else [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+    # One optimizer, or several that iterate (fastpt.optim.Optimizers); their states are keyed by parameter name.
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer or ())
     try:
         if "model" in ckpt:
             set_state_dict(model, optimizers, model_state_dict=ckpt["model"],

@@ -31,7 +31,8 @@ def lr_schedule(schedule: str, step: int, peak_lr: float, warmup_steps: int, max
         raise ValueError(f"schedule must be 'cosine', 'wsd' or 'linear', got {schedule!r}")
     if step < warmup_steps:
         return peak_lr * step / max(1, warmup_steps)
-    decay_start = warmup_steps if schedule == "linear" else max(warmup_steps, max_steps - round(decay_fraction * max_steps))
+    decay_steps = max_steps - warmup_steps if schedule == "linear" else round(decay_fraction * max_steps)
+    decay_start = max(warmup_steps, max_steps - decay_steps)
     progress = min(1.0, max(0, step - decay_start) / max(1, max_steps - decay_start))
     return peak_lr * (1 - (1 - min_ratio) * progress)
 

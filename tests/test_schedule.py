@@ -45,10 +45,10 @@ def test_an_unknown_schedule_is_refused():
 
 @pytest.mark.parametrize("schedule", ["wsd", "linear"])
 def test_the_loop_runs_each_step_at_the_schedules_lr(tiny_data, tmp_path, capsys, schedule):
-    code, _, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "10",
-                                         "--warmup-steps", "2", "--lr", "1e-3", "--log-every", "1", "--eval-every", "10",
-                                         "--eval-tokens", "128", "--schedule", schedule, "--decay-fraction", "0.3"],
-                            capsys)
+    args = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "10", "--warmup-steps", "2",
+            "--lr", "1e-3", "--log-every", "1", "--eval-every", "10", "--eval-tokens", "128", "--schedule", schedule,
+            "--decay-fraction", "0.3"]
+    code, _, err = run_main(train.main, args, capsys)
     assert code == 0, err
     logged = [r["lr"] for r in read_metrics(tmp_path)]
     assert logged == [lr_schedule(schedule, s, 1e-3, 2, 10, 0.1, 0.3) for s in range(10)]  # step s+1 runs at lr(s)
