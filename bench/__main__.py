@@ -1,19 +1,17 @@
-"""python -m bench [train-step options] | python -m bench kernels [kernel-table options]
-| python -m bench prepare [prepare options] | python -m bench soak [soak options]"""
+"""python -m bench [train-step options] | python -m bench COMMAND [its options], COMMAND one of
+kernels (kernel table), aot (the sm_90 compile table), prepare (fastpt.prepare vs raw encode), soak (a long run watched for
+leaks), race (time to the seed recipe's loss per option)."""
+import importlib
 import sys
+
+COMMANDS = {"kernels": "bench.kernel_table", "aot": "bench.aot", "prepare": "bench.prepare_bench", "soak": "bench.soak",
+            "race": "bench.race"}
 
 
 def main() -> int:
     argv = sys.argv[1:]
-    if argv[:1] == ["kernels"]:
-        from bench.kernel_table import main as kernel_main
-        return kernel_main(argv[1:])
-    if argv[:1] == ["prepare"]:
-        from bench.prepare_bench import main as prepare_main
-        return prepare_main(argv[1:])
-    if argv[:1] == ["soak"]:
-        from bench.soak import main as soak_main
-        return soak_main(argv[1:])
+    if argv[:1] and argv[0] in COMMANDS:
+        return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     from bench.train_step import main as train_step_main
     return train_step_main(argv)
 

@@ -27,6 +27,7 @@ else:  # pragma: no cover
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype names
 MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
 MAX_SEQ_LEN = 2**20
+ATTENTIONS = ("causal", "document")
 
 
 @dataclass
@@ -42,6 +43,10 @@ class ModelConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
+    # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
+    # document, which doc_token (the data's meta.json eot_id) starts. Export is a causal Llama either way.
+    attention: str = "causal"
+    doc_token: int | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -86,6 +91,12 @@ class ModelConfig:
             raise ConfigError(f"'rope_theta' must be a finite number > 0, got {self.rope_theta}")
         if self.max_seq_len > MAX_SEQ_LEN:
             raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"'attention' = {self.attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
+        if self.attention == "document" and not (
+                isinstance(self.doc_token, int) and 0 <= self.doc_token < (self.vocab_size or math.inf)):
+            raise ConfigError(f"'attention' = 'document' needs a document token id below the vocab "
+                              f"({self.vocab_size}), got doc_token {self.doc_token!r}")
         if self.num_params() > MAX_PARAMS:  # a typo (an extra zero or two), not a model to allocate
             raise ConfigError(f"this shape has {self.num_params():,} parameters, beyond fastpt's {MAX_PARAMS:,}: "
                               "check 'dim', 'n_layers', 'ffn_dim' and 'vocab_size'")
@@ -93,6 +104,7 @@ class ModelConfig:
 
 
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
+SHAPE_FIELDS = tuple(k for k in MODEL_FIELDS if k not in ("attention", "doc_token"))  # the TrainConfig shape keys
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=0, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=256),
     "0.04b": ModelConfig(),
@@ -166,6 +178,9 @@ class TrainConfig:
                                  "and weights replace the preset's; without --data its tokenizer prepares the "
                                  "default corpus")
     seq_len: int = setting(0, "tokens per training sequence; 0 = the model's max_seq_len", domain=NON_NEGATIVE)
+    attention: str = setting("causal", "causal: a token sees every earlier token of its window; document: only "
+                                       "earlier tokens of its own document (the data's document token starts "
+                                       "one)", choices=ATTENTIONS)
     # model shape, on top of the preset
     vocab_size: int | None = shape("vocabulary size (at least the data's)")
     dim: int | None = shape("model width")
@@ -182,8 +197,20 @@ class TrainConfig:
     micro_batch: int = setting(16, "sequences per forward/backward, the preset's by default", domain=POSITIVE)
     grad_accum: int = setting(4, "micro-batches per optimizer step, the preset's by default", domain=POSITIVE)
     lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
-    min_lr_ratio: float = setting(0.1, "cosine floor as a fraction of the peak", domain=UNIT)
+    min_lr_ratio: float = setting(0.1, "the schedule's floor as a fraction of the peak", domain=UNIT)
     warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
+    schedule: str = setting("cosine", "LR after warmup: cosine to the floor (the seed's); wsd: constant peak, "
+                                      "then linear decay to the floor over the last decay_fraction of the steps; "
+                                      "linear: linear decay to the floor from the end of warmup",
+                            choices=("cosine", "wsd", "linear"))
+    decay_fraction: float = setting(0.2, "wsd: the fraction of max_steps that decays",
+                                    domain=Interval(0, 1, low_open=True))
+    optimizer: str = setting("adamw", "adamw: the seed's two AdamW groups; muon: Muon for the blocks' 2-D weight "
+                                      "matrices, the two AdamW groups for embeddings, head and norms",
+                             choices=("adamw", "muon"))
+    muon_lr: float = setting(0.02, "Muon's peak learning rate (--optimizer muon), on the same schedule",
+                             domain=POSITIVE)
+    muon_momentum: float = setting(0.95, "Muon's (Nesterov) momentum", domain=BETA)
     weight_decay: float = setting(0.1, "AdamW weight decay", domain=NON_NEGATIVE)
     decay_rule: str = setting("ndim", "ndim: decay tensors with >= 2 dims; strict: also spare biases, "
                                       "norms, embeddings", choices=("ndim", "strict"))
@@ -297,6 +324,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.parallel == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:
         raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} uses CUDA graphs, which FSDP's per-step "
                           "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'")
+    if cfg.parallel == "fsdp" and cfg.optimizer == "muon":
+        raise ConfigError("'optimizer' = 'muon' does not run under 'parallel' = 'fsdp': Muon orthogonalizes each "
+                          "whole weight matrix, and FSDP leaves every rank only a shard of it; use 'ddp'")
     if cfg.parallel == "fsdp" and cfg.dtype == "fp16":
         raise ConfigError("'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
                           "would check only this rank's gradient shards for overflow")
@@ -308,7 +338,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def shape_keys(cfg: TrainConfig) -> dict[str, Any]:
     """The model shape keys given (by TOML or flags) on top of the preset."""
-    return {k: getattr(cfg, k) for k in MODEL_FIELDS if getattr(cfg, k) is not None}
+    return {k: getattr(cfg, k) for k in SHAPE_FIELDS if getattr(cfg, k) is not None}
 
 
 def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
@@ -355,10 +385,12 @@ def to_toml(cfg: TrainConfig) -> str:
     return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
 
 
-def model_config(cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = None) -> ModelConfig:
+def model_config(cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = None,
+                 doc_token: int | None = None) -> ModelConfig:
     """The preset (or `base`, a model to start from, whose shape the keys may not change) with the
     shape keys given on top; its vocab widened to the data's when the data needs more (e.g. GPT-2
-    ids in FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len."""
+    ids in FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len.
+    `doc_token` is the data's document token (None: it has none), which --attention document needs."""
     overrides = shape_keys(cfg)
     if base is not None:
         for k, v in overrides.items():
@@ -374,6 +406,7 @@ def model_config(cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = N
     if "max_seq_len" in overrides and cfg.seq_len > m.max_seq_len:
         raise ConfigError(f"'seq_len' = {cfg.seq_len} is longer than 'max_seq_len' = {m.max_seq_len}")
     m.max_seq_len = max(m.max_seq_len, cfg.seq_len)
+    m.attention, m.doc_token = cfg.attention, doc_token if cfg.attention == "document" else None
     return m.check()
 
 

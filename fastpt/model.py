@@ -1,4 +1,5 @@
-"""Llama-style decoder: RMSNorm, RoPE, causal SDPA attention (optional GQA), SwiGLU, tied or untied head."""
+"""Llama-style decoder: RMSNorm, RoPE, causal SDPA attention (optional GQA; optionally within documents,
+see attention.py), SwiGLU, tied or untied head."""
 from __future__ import annotations
 
 import math
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import kernels
+from fastpt.attention import attend, document_mask
 from fastpt.config import ModelConfig
 
 if not getattr(kernels, "__fastpt_kernels__", False):
@@ -77,10 +79,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: tuple | None = None):
+    def forward(self, x, cos, sin, cache: tuple | None = None, mask=None):
         """cache None (training): returns (y, None), so no view of k and v outlives the call.
         cache () (a prompt's prefill) or (k, v) (decoding one token after it): returns (y, the
-        cache extended by this call's keys and values)."""
+        cache extended by this call's keys and values). mask: a document mask (attention.py), or
+        None for the causal one."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
         k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)  # (B, T, Hkv, hd)
@@ -93,9 +96,11 @@ class Attention(nn.Module):
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
         # A decoded token may see every cached key. is_causal tests the cache, not its length,
         # to stay a plain bool when compiled with dynamic shapes.
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=not cache, enable_gqa=self.kv_heads != self.n_heads
-        )  # (B, H, T, hd)
+        gqa = self.kv_heads != self.n_heads
+        if mask is not None:
+            y = attend(q, k, v, mask, gqa)  # (B, H, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=not cache, enable_gqa=gqa)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C)
         return self.wo(y), None if cache is None else (k, v)
 
@@ -120,15 +125,15 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, mask=None):
         if self.checkpointed and self.training and cache is None:
             # Inside the block, so a compiled block (and FSDP's unit, the block) sees it; non-reentrant
             # as PyTorch advises. Nothing in a block is random: no RNG state to save and restore.
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False, preserve_rng_state=False)
-        return self._forward(x, cos, sin, cache)
+            return checkpoint(self._forward, x, cos, sin, None, mask, use_reentrant=False, preserve_rng_state=False)
+        return self._forward(x, cos, sin, cache, mask)
 
-    def _forward(self, x, cos, sin, cache=None):
-        a, new_cache = self.attention(self.attention_norm(x), cos, sin, cache)
+    def _forward(self, x, cos, sin, cache=None, mask=None):
+        a, new_cache = self.attention(self.attention_norm(x), cos, sin, cache, mask)
         x = x + a
         x = x + self.feed_forward(self.ffn_norm(x))
         return x, new_cache
@@ -203,11 +208,13 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {past + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd/2)
         h = self.tok_embeddings(idx)  # (B, T, C)
+        # Built once for all layers; decoding with a KV cache attends causally (one document: the prompt's).
+        mask = document_mask(idx, self.cfg.doc_token) if self.cfg.attention == "document" and kv_cache is None else None
         new_cache: KVCache = []
         for i, layer in enumerate(self.layers):
             # An empty list starts a cache (the prompt's prefill); None means no cache at all.
             layer_cache = None if kv_cache is None else (kv_cache[i] if kv_cache else ())
-            h, layer_cache = layer(h, cos, sin, layer_cache)
+            h, layer_cache = layer(h, cos, sin, layer_cache, mask)
             new_cache.append(layer_cache)
         h = self.norm(h)  # (B, T, C)
         if labels is not None:

@@ -29,14 +29,15 @@ from fastpt import checkpoint, distributed, float8
 from fastpt.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
 from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
                            parse_args, profile_steps, resolve, to_toml)
-from fastpt.data import Source, TrainLoader, WindowSet, common_vocab, data_sources, describe_data, open_windows
+from fastpt.data import (Source, TrainLoader, WindowSet, common_vocab, data_sources, describe_data, doc_token,
+                         open_windows)
 from fastpt.errors import CheckpointError, ConfigError, print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.files import lock
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import Dashboard, MetricsLogger, Pace, device_name, peak_flops, rewind
 from fastpt.model import Transformer
-from fastpt.optim import build_optimizer, lr_at
+from fastpt.optim import lr_schedule, optimizers_for, step_all
 from fastpt.profiling import StepProbe
 from fastpt.tokenizer import copy_for_run, same_tokenizer
 
@@ -79,8 +80,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[tor
     finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | scaler.is_enabled())
     applied = not skip_nonfinite or bool(finite)  # one host sync per step, in skip mode only
     if applied:
-        for opt in optimizers:
-            scaler.step(opt)
+        step_all(optimizers, scaler, grad_norm)
     scaler.update()
     return StepResult(loss, z_loss, grad_norm, finite, applied)
 
@@ -251,7 +251,8 @@ def build_data(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> D
     vocab = common_vocab(sources, cfg.data_format)
     if d.is_main and init_tokenizer:
         warn_if_other_tokenizer(sources[0].folder, init_tokenizer)
-    mcfg = model_config(cfg, vocab, init[0] if init else None)
+    document = doc_token(sources[0].folder, "'attention' = 'document'") if cfg.attention == "document" else None
+    mcfg = model_config(cfg, vocab, init[0] if init else None, document)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     train, val = open_windows(sources, seq_len, cfg.packing, cfg.data_format, mcfg.vocab_size)
     loader = TrainLoader(train, cfg.micro_batch, cfg.seed, device, d.rank, d.world_size)
@@ -281,7 +282,7 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device, d: distribut
     if cfg.float8:  # before compiling and sharding
         float8.convert(raw)
     model = distributed.parallelize(raw, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile_mode if cfg.compile else None)
-    optimizers = [build_optimizer(raw, cfg.weight_decay, cfg.decay_rule, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps)]
+    optimizers = optimizers_for(raw, cfg)  # AdamW, or AdamW + Muon
     autocast = torch.autocast(device.type, dtype=DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
     return Net(raw, model, optimizers, autocast, torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16"))
 
@@ -302,6 +303,8 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, state: TrainState, mcf
         if diff := model_mismatch(saved["model_config"], mcfg):
             raise ConfigError(f"{path} was written for another model ({diff}); "
                               "resume with the same preset, shape keys and data")
+        if (optimizer := saved.get("train_config", {}).get("optimizer", "adamw")) != cfg.optimizer:
+            raise ConfigError(f"{path} was written with --optimizer {optimizer}: resume with the same optimizer")
 
     run_dir = ckpt.run_dir
     if cfg.resume and (path := ckpt.restore(device, same_model)):
@@ -374,7 +377,7 @@ def nonfinite_error(bad_step: int, run_dir: Path) -> str:
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # Muon's group runs at muon_lr on the same curve
 
 
 # ---- the loop
@@ -406,7 +409,8 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
         net.model.train()
         while state.step < cfg.max_steps:
-            lr = lr_at(state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+            lr = lr_schedule(cfg.schedule, state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio,
+                             cfg.decay_fraction)
             set_lr(net.optimizers, lr)
             with probe.step(state.step + 1):  # --profile, recompiles
                 result = train_step(net.model, net.optimizers, net.scaler, data.loader, cfg.grad_accum, net.autocast,

@@ -1,0 +1,213 @@
+"""--attention document: a token sees only earlier tokens of its own document. Isolation and
+one-document equality on both mask kinds (the dense SDPA mask the CPU trains with, the FlexAttention
+BlockMask CUDA trains with, run here forward-only: FlexAttention has no CPU backward), eager and
+compiled; the training loop's hooks; and the one-line refusal for data without a document token."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run_main, train_refuses
+from fastpt import attention, model as model_module, train
+from fastpt.config import ModelConfig
+from fastpt.errors import ConfigError
+from fastpt.model import Transformer
+
+DOC = 7  # the document token of these tests' made-up vocabulary
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
+                  attention="document", doc_token=DOC)
+
+
+def tokens(*lengths: int, seed: int = 0) -> torch.Tensor:
+    """One row of documents of these lengths, each starting with DOC, other ids random (never DOC)."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for n in lengths:
+        body = torch.randint(8, CFG.vocab_size, (n - 1,), generator=g)
+        parts.append(torch.cat((torch.tensor([DOC]), body)))
+    return torch.cat(parts)
+
+
+def models(cfg: ModelConfig = CFG) -> tuple[Transformer, Transformer]:
+    """The same weights with document and with causal attention."""
+    torch.manual_seed(0)
+    doc = Transformer(cfg).eval()
+    causal = Transformer(dataclasses.replace(cfg, attention="causal", doc_token=None)).eval()
+    causal.load_state_dict(doc.state_dict())
+    return doc, causal
+
+
+@pytest.fixture(params=["dense", "flex"])
+def mask_kind(request, monkeypatch):
+    """Run the model with either mask (flex forced here on the CPU, forward only)."""
+    if request.param == "flex":
+        monkeypatch.setattr(model_module, "document_mask", functools.partial(attention.document_mask, flex=True))
+    return request.param
+
+
+def test_document_ids_and_dense_mask_by_hand():
+    idx = torch.tensor([[3, DOC, 4, 5, DOC, 6]])
+    assert attention.document_ids(idx, DOC).tolist() == [[0, 1, 1, 1, 2, 2]]
+    allowed = attention.document_mask(idx, DOC, flex=False)[0, 0].int().tolist()
+    assert allowed == [[1, 0, 0, 0, 0, 0],
+                       [0, 1, 0, 0, 0, 0],
+                       [0, 1, 1, 0, 0, 0],
+                       [0, 1, 1, 1, 0, 0],
+                       [0, 0, 0, 0, 1, 0],
+                       [0, 0, 0, 0, 1, 1]]
+
+
+@torch.no_grad()
+def test_flex_block_mask_attends_as_the_dense_mask():
+    idx = torch.stack((tokens(5, 40, 19), tokens(64, seed=1), tokens(1, 1, 62, seed=2)))  # (3, 64)
+    q, k, v = (torch.randn(3, 4, 64, 16) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # grouped-query: 2 kv heads
+    dense = attention.attend(q, k, v, attention.document_mask(idx, DOC, flex=False), enable_gqa=True)
+    flex = attention.attend(q, k, v, attention.document_mask(idx, DOC, flex=True), enable_gqa=True)
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_later_document_does_not_see_an_earlier_one(mask_kind):
+    doc_model, causal = models()
+    first, later = tokens(24, seed=1), tokens(40, seed=2)
+    other_first = tokens(24, seed=3)  # the same length: the later document keeps its positions
+    row_a, row_b = torch.cat((first, later))[None], torch.cat((other_first, later))[None]  # (1, 64)
+    logits_a, logits_b = doc_model(row_a)[0], doc_model(row_b)[0]  # (1, 64, V)
+    assert torch.equal(logits_a[:, 24:], logits_b[:, 24:])
+    assert not torch.equal(logits_a[:, :24], logits_b[:, :24])
+    # With the causal mask the earlier document does leak into the later one.
+    assert not torch.allclose(causal(row_a)[0][:, 24:], causal(row_b)[0][:, 24:])
+
+
+@torch.no_grad()
+def test_a_row_of_one_document_gives_the_causal_result(mask_kind):
+    doc_model, causal = models()
+    rows = torch.stack((tokens(64, seed=4), tokens(64, seed=5)))  # (2, 64)
+    rows[1, 0] = 9  # a row cut mid-document: no document token at all
+    torch.testing.assert_close(doc_model(rows)[0], causal(rows)[0], atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_decoding_with_a_kv_cache_attends_causally():
+    """Sampling (prefill + one token with the cache) is a standard Llama's, whatever the training mask."""
+    doc_model, causal = models()
+    prompt = tokens(5, 10, seed=6)[None]  # two documents: the cache path ignores the boundary
+
+    def decode(m: Transformer) -> torch.Tensor:
+        _, _, cache = m(prompt, kv_cache=[])
+        return m(prompt[:, -1:], kv_cache=cache)[0]
+    torch.testing.assert_close(decode(doc_model), decode(causal))
+
+
+def test_model_config_refuses_document_attention_without_a_token():
+    with pytest.raises(ConfigError, match="doc_token None"):
+        Transformer(dataclasses.replace(CFG, doc_token=None))
+    with pytest.raises(ConfigError, match="doc_token 64"):
+        Transformer(dataclasses.replace(CFG, doc_token=64))
+    with pytest.raises(ConfigError, match="'attention' = 'sliding'"):
+        Transformer(dataclasses.replace(CFG, attention="sliding"))
+
+
+def test_document_attention_on_data_without_a_document_token_is_one_line(tiny_data, tmp_path, capsys):
+    bare = tmp_path / "no-meta"
+    bare.mkdir()
+    for shard in tiny_data.glob("*.bin"):  # llm.c-style shards alone: no meta.json, no eot_id
+        shutil.copy(shard, bare / shard.name)
+    train_refuses(capsys, [*TINY, "--data", str(bare), "--out", str(tmp_path / "run"), "--attention", "document"],
+                  "'attention' = 'document'", str(bare))
+
+
+def test_training_with_document_attention_records_the_token(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(out), "--max-steps", "4",
+                                         "--log-every", "2", "--eval-every", "4", "--eval-tokens", "256",
+                                         "--attention", "document"], capsys)
+    assert code == 0, err
+    from fastpt import checkpoint
+    saved = checkpoint.load(checkpoint.latest(out))["model_config"]
+    eot = json.loads((tiny_data / "meta.json").read_text())["eot_id"]
+    assert (saved["attention"], saved["doc_token"]) == ("document", eot)
+    assert all(r["loss"] == r["loss"] for r in read_metrics(out))  # finite, not NaN
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_compiled_document_attention_isolates_documents_without_recompiling(mask_kind):
+    """torch.compile(fullgraph=True): new document layouts in every batch, one graph for all."""
+    import torch._dynamo
+
+    doc_model, _ = models()
+    compiled = torch.compile(doc_model, fullgraph=True, dynamic=False)
+    later = tokens(40, seed=2)
+    batches = [torch.stack((torch.cat((tokens(24, seed=s), later)), tokens(10, 30, 24, seed=s + 50)))
+               for s in range(3)]  # (2, 64) each, the documents elsewhere in every batch
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outs = [compiled(b)[0] for b in batches]
+    for b, out in zip(batches, outs):
+        torch.testing.assert_close(out, doc_model(b)[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(outs[0][0, 24:], outs[1][0, 24:]) and torch.equal(outs[1][0, 24:], outs[2][0, 24:])
+
+
+@pytest.mark.slow
+def test_compiled_training_with_document_attention_follows_eager_without_recompiles(tiny_data, tmp_path):
+    """The loop under --compile: one graph for every batch's document layout (evals' too), the eager losses."""
+    from conftest import run_train
+
+    common = (*TINY, "--data", str(tiny_data), "--max-steps", "4", "--log-every", "2", "--eval-every", "2",
+              "--eval-tokens", "192", "--attention", "document")
+    result = run_train(*common, "--out", str(tmp_path / "compiled"), "--compile", timeout=900)
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(tmp_path / "compiled")
+    assert [r["recompiles"] for r in records] == [0, 0]
+    eager = run_train(*common, "--out", str(tmp_path / "eager"))
+    assert eager.returncode == 0, eager.stderr
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "eager")],
+                                                         rel=1e-4)
+
+
+@pytest.mark.slow
+def test_document_attention_under_fsdp_follows_one_process(tiny_data, tmp_path):
+    from test_distributed import assert_same_curve, train as train_dist
+
+    one = train_dist(tiny_data, tmp_path / "one", 0, "--attention", "document")
+    fsdp = train_dist(tiny_data, tmp_path / "fsdp", 2, "--attention", "document", "--parallel", "fsdp")
+    assert_same_curve(fsdp, one)
+
+
+def test_export_is_the_standard_llama_whatever_the_training_mask():
+    from fastpt.hf import to_hf_config
+
+    causal = dataclasses.replace(CFG, attention="causal", doc_token=None)
+    assert to_hf_config(CFG, torch.float32, DOC, DOC) == to_hf_config(causal, torch.float32, DOC, DOC)
+
+
+def test_the_data_folders_document_token(tiny_data, tmp_path):
+    from fastpt.data import doc_token
+    from fastpt.errors import DataError
+
+    assert doc_token(tiny_data, "x") == json.loads((tiny_data / "meta.json").read_text())["eot_id"] == 256
+    for meta in (None, '{"eot_id": null}', '{"eot_id": "256"}'):  # no meta.json, a tokenizer without one, a string
+        if meta:
+            (tmp_path / "meta.json").write_text(meta)
+        with pytest.raises(DataError, match=f"'attention' = 'document' needs .* {tmp_path} has none"):
+            doc_token(tmp_path, "'attention' = 'document'")
+
+
+def test_activation_checkpointing_recomputes_the_same_document_attention():
+    """The mask goes through torch.utils.checkpoint: the recomputed blocks give the same gradients."""
+    grads = []
+    for ac in ("none", "full"):
+        torch.manual_seed(0)
+        m = Transformer(CFG, activation_checkpointing=ac).train()
+        rows = torch.stack((torch.cat((tokens(24, seed=1), tokens(40, seed=2))), tokens(10, 54, seed=3)))
+        m(rows, labels=rows.roll(-1, 1))[1].backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,170 @@
+"""--optimizer muon: torch.optim.Muon for the blocks' matrices beside the seed's two AdamW groups,
+used by the loop, the GradScaler and checkpoints as one optimizer; it trains, resumes bit for bit
+after SIGKILL, follows one process under DDP, and is refused under FSDP in one line."""
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run_main, run_train, train_refuses
+from fastpt import checkpoint, train
+from fastpt.config import PRESETS, TrainConfig
+from fastpt.model import Transformer
+from fastpt.optim import is_muon_matrix, optimizers_for, step_all
+
+MUON = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02)
+
+
+def small_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=97, n_kv_heads=2))
+
+
+def names(model: Transformer, params) -> set[str]:
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_keeps_its_two_groups():
+    model = small_model()
+    adamw, muon = optimizers_for(model, MUON)
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    matrices = names(model, muon.param_groups[0]["params"])
+    assert matrices == {n for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2}
+    assert {n.split(".")[-2] for n in matrices} == {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    decayed, plain = (names(model, g["params"]) for g in adamw.param_groups)
+    assert decayed == {"tok_embeddings.weight"} and all("norm" in n for n in plain)
+    assert len(matrices) + len(decayed) + len(plain) == len(list(model.parameters()))  # each exactly once
+    assert muon.param_groups[0]["lr_scale"] == pytest.approx(20) and muon.param_groups[0]["momentum"] == 0.95
+    assert [type(o) for o in optimizers_for(model, TrainConfig())] == [torch.optim.AdamW]  # the seed's, unchanged
+    assert not is_muon_matrix("output.weight", torch.zeros(3, 3))  # an untied head stays with AdamW
+
+
+def loss_of(model: Transformer, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 97, (2, 16), generator=g)
+    return model(x, labels=x.roll(-1, 1))[1]
+
+
+def steps(model: Transformer, opts: list, scaler: torch.amp.GradScaler, n: int, start: int = 0) -> None:
+    """The loop's step: every optimizer zeroed, unscaled and stepped through one GradScaler."""
+    for i in range(start, start + n):
+        for opt in opts:
+            opt.zero_grad()
+        scaler.scale(loss_of(model, i)).backward()
+        for opt in opts:
+            scaler.unscale_(opt)
+        step_all(opts, scaler, torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        scaler.update()
+
+
+def test_a_grad_scaler_steps_both_optimizers_as_unscaled_ones():
+    """fp16's path (here on CPU fp32): a power-of-two scale is exact, so scaled steps equal plain ones,
+    and a non-finite gradient anywhere skips the update of both optimizers."""
+    plain, scaled = small_model(), small_model()
+    steps(plain, optimizers_for(plain, MUON), torch.amp.GradScaler("cpu", enabled=False), 3)
+    opt = optimizers_for(scaled, MUON)
+    steps(scaled, opt, torch.amp.GradScaler("cpu", init_scale=2.0**12), 3)
+    for (name, a), b in zip(plain.named_parameters(), scaled.parameters()):
+        assert torch.equal(a, b), name
+    before = {n: p.clone() for n, p in scaled.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    for o in opt:
+        o.zero_grad()
+    scaler.scale(loss_of(scaled, 9)).backward()
+    scaled.layers[0].attention.wq.weight.grad[0, 0] = float("inf")  # in a Muon parameter only
+    for o in opt:
+        scaler.unscale_(o)
+    step_all(opt, scaler, torch.nn.utils.clip_grad_norm_(scaled.parameters(), 1.0))
+    assert all(torch.equal(p, before[n]) for n, p in scaled.named_parameters())
+    assert scaler.get_scale() == 2.0**12  # the update is yet to halve it: nothing stepped
+
+
+def test_both_optimizers_state_round_trips_through_a_checkpoint(tmp_path):
+    model = small_model()
+    opt = optimizers_for(model, MUON)
+    no_scaler = torch.amp.GradScaler("cpu", enabled=False)
+    steps(model, opt, no_scaler, 2)
+    model_state = checkpoint.ModelState(model).state_dict()
+    optim_state = checkpoint.OptimizerState(model, opt).state_dict()
+    assert any("momentum_buffer" in s for s in optim_state["state"].values())  # Muon's
+    assert any("exp_avg_sq" in s for s in optim_state["state"].values())  # AdamW's
+    torch.save({"model": model_state, "optimizer": optim_state}, tmp_path / "c.pt")
+    restored = small_model(seed=1)
+    restored_opt = optimizers_for(restored, MUON)
+    saved = torch.load(tmp_path / "c.pt", weights_only=True)
+    checkpoint.ModelState(restored).load_state_dict(saved["model"])
+    checkpoint.OptimizerState(restored, restored_opt).load_state_dict(saved["optimizer"])
+    steps(model, opt, no_scaler, 2, start=2)
+    steps(restored, restored_opt, no_scaler, 2, start=2)
+    for (name, a), b in zip(model.named_parameters(), restored.parameters()):
+        assert torch.equal(a, b), name
+    assert restored_opt[-1].param_groups[-1]["lr_scale"] == pytest.approx(20)
+
+
+def test_muon_trains(tiny_data, tmp_path, capsys):
+    code, _, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "30",
+                                         "--warmup-steps", "3", "--log-every", "5", "--eval-every", "30",
+                                         "--eval-tokens", "256", "--optimizer", "muon"], capsys)
+    assert code == 0, err
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+RECIPE = ("--optimizer", "muon", "--schedule", "wsd", "--decay-fraction", "0.3", "--warmup-steps", "2")
+
+
+@pytest.mark.parametrize("at", [4, 8])  # wsd over 10 steps: the peak at step 4, decaying from step 7
+def test_muon_with_wsd_resumes_exactly_from_a_checkpoint(tiny_data, tmp_path, capsys, at):
+    """In process: a fresh folder holding only the checkpoint of step `at` continues as the run went on."""
+    import shutil
+
+    from test_reliability import records, run_args
+
+    reference = [*run_args(tiny_data, tmp_path / "reference", *RECIPE), "--keep-checkpoints", "3"]
+    assert run_main(train.main, reference, capsys)[0] == 0
+    (tmp_path / "run").mkdir()
+    shutil.copy(tmp_path / "reference" / f"ckpt_{at:08d}.pt", tmp_path / "run")
+    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *RECIPE), "--resume"], capsys)
+    assert code == 0 and f"at step {at}" in out, err
+    assert records(tmp_path / "run") == [r for r in records(tmp_path / "reference") if r["step"] > at]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [6, 9])  # wsd: stable at 6, decaying at 9
+def test_muon_with_wsd_resumes_bit_identically_after_sigkill(tiny_data, tmp_path, kill_at):
+    from test_reliability import records, run_args, run_faulty
+
+    reference = run_train(*run_args(tiny_data, tmp_path / "reference", *RECIPE))
+    assert reference.returncode == 0, reference.stderr
+    killed = run_faulty("kill-at-step", kill_at, *run_args(tiny_data, tmp_path / "run", *RECIPE))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = run_train(*run_args(tiny_data, tmp_path / "run", *RECIPE), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"at step {(kill_at - 1) // 4 * 4}" in resumed.stdout
+    assert records(tmp_path / "run") == records(tmp_path / "reference")
+
+
+def test_resuming_with_another_optimizer_is_one_line(tiny_data, tmp_path, capsys):
+    args = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "2", "--eval-every", "2",
+            "--eval-tokens", "128"]
+    assert run_main(train.main, args, capsys)[0] == 0
+    train_refuses(capsys, [*args, "--max-steps", "4", "--resume", "--optimizer", "muon"], "--optimizer adamw",
+                  "ckpt_00000002.pt")
+
+
+def test_muon_under_fsdp_is_refused_in_one_line(tmp_path, capsys):
+    train_refuses(capsys, [*TINY, "--out", str(tmp_path), "--optimizer", "muon", "--parallel", "fsdp"],
+                  "'optimizer' = 'muon'", "'fsdp'", "shard")
+
+
+@pytest.mark.slow
+def test_muon_with_document_attention_under_ddp_follows_one_process(tiny_data, tmp_path):
+    from test_distributed import assert_same_curve, train as train_dist
+
+    recipe = ("--optimizer", "muon", "--attention", "document", "--schedule", "wsd")
+    assert_same_curve(train_dist(tiny_data, tmp_path / "ddp", 2, *recipe),
+                      train_dist(tiny_data, tmp_path / "one", 0, *recipe))
