@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import markdown_table
+from bench.common import git_commit, markdown_table
 
 H200_SMS = 132
 # Per-SM limits of compute capability 9.0 (CUDA programming guide, "Technical Specifications").
@@ -245,7 +245,8 @@ def table(results: dict[str, list[Compiled]]) -> str:
                          _fmt_widths(c.global_loads), _fmt_widths(c.global_stores)])
     import triton
 
-    head = f"sm_90 AOT compile · triton {triton.__version__} · torch {torch.__version__}"
+    head = (f"sm_90 AOT compile (compiled on this machine, nothing run) · triton {triton.__version__} · "
+            f"torch {torch.__version__} · commit {git_commit()}")
     return f"{head}\n\n{markdown_table(header, rows)}"
 
 

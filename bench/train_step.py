@@ -276,7 +276,8 @@ def markdown(rows: list[dict], info: dict) -> str:
                       fmt(r["mfu_matmul"], ".2f"), f"{r['loss']:.5f}", f"{r['compile_s']:.1f}",
                       f"{r['data_wait_pct']:.1f}", str(r["graphs_after_warmup"])])
     mem = "CUDA max_memory_allocated" if info["device"] == "cuda" else "peak RSS growth of the mode's process"
-    note = kernel_rows_note(torch.device(info["device"]), "+kernels rows")
+    with_kernels = any("+kernels" in r["mode"] for r in rows)
+    note = kernel_rows_note(torch.device(info["device"]), "+kernels rows") if with_kernels else ""
     return (f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up"
             + (f"; {note}." if note else "."))
 

@@ -206,8 +206,10 @@ def test_cross_entropy_inplace_backward_reuses_the_logits(ops):
     logits.register_hook(grads.append)
     loss = kernels.cross_entropy(logits, target, z_loss=1e-2, inplace_backward=True, backend="triton")
     assert torch.equal(logits.detach(), before)
-    loss.backward()
+    loss.backward(retain_graph=True)
     assert grads[0].data_ptr() == logits.data_ptr()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()  # the saved logits are the gradient now
     xr = x.detach().double().requires_grad_()
     expected = reference.cross_entropy(xr * 2, target, z_loss=1e-2)
     expected.backward()
@@ -523,13 +525,15 @@ def _extra_gib(fn) -> float:
 @cuda
 @pytest.mark.gpu
 def test_linear_cross_entropy_memory_cuda():
-    """Peak extra memory stays near one chunk of logits, far below the (N, V) logits."""
+    """Peak extra memory stays near one chunk of logits (4096 rows) plus the fp32 weight gradient,
+    far below the (N, V) logits (1 GiB)."""
     n, d, v = 16384, 512, 32000
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = _targets(n, v, 0.0, "cuda")
     extra = _extra_gib(lambda: kernels.linear_cross_entropy(x, w, target, z_loss=1e-4).backward())
-    assert extra < 0.25, f"{extra:.2f} GiB"
+    chunk_and_fp32_dw = (4096 * v * 2 + v * d * 4) / 2**30  # 0.31 GiB
+    assert extra < chunk_and_fp32_dw + 0.15, f"{extra:.2f} GiB"  # + the gradients returned, 0.05 GiB
 
 
 @cuda

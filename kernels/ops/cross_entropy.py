@@ -14,12 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
-# The launch per (vocabulary, dtype): a block of BLOCK_BYTES per sweep step, VECTOR_BYTES per
-# thread per load, so that a program needs few enough registers for several of them per SM
-# (BLOCK 32768 at 32 warps filled the register file and spilled).
+# The launch per (vocabulary, dtype): BLOCK_BYTES of a row per sweep step, THREAD_BYTES of it per
+# thread (four 128-bit loads in flight), so that a program needs few enough registers for 2-4 of
+# them per SM on sm_90 with no spill (BLOCK 32768 at 32 warps filled the register file and spilled).
 BLOCK_BYTES = 16384
-VECTOR_BYTES = 16  # one 128-bit load
-ELEMENTS_PER_THREAD_BYTES = 64  # four 128-bit loads in flight per thread per block
+THREAD_BYTES = 64
 
 
 @triton.jit
@@ -47,7 +46,8 @@ def _cross_entropy_kernel(
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[:, None]), axis=1)
             m = m_new
-        lse = m + tl.log(d)
+        # Rows past the end (all masked) get lse 0, not -inf + log(0): nans even where nothing is stored.
+        lse = tl.where(row_mask, m + tl.log(tl.where(row_mask, d, 1.0)), 0.0)
         # Targets outside [0, V) other than ignore_index are not checked, and never read either.
         x_y = tl.load(logits_ptr + rows * logits_stride + y, mask=valid & (y >= 0) & (y < n_cols),
                       other=0.0).to(tl.float32)
@@ -77,7 +77,7 @@ def launch_plan(n_cols: int, element_size: int) -> tuple[int, int, int]:
     """(rows per program, BLOCK, num_warps) for rows of n_cols elements of element_size bytes."""
     block = min(triton.next_power_of_2(n_cols), BLOCK_BYTES // element_size)
     rows = max(1, BLOCK_BYTES // element_size // block)  # small vocabularies: several rows per program
-    warps = max(1, min(8, rows * block * element_size // (32 * ELEMENTS_PER_THREAD_BYTES)))
+    warps = max(1, min(8, rows * block * element_size // (32 * THREAD_BYTES)))
     return rows, block, warps
 
 
