@@ -63,6 +63,7 @@ def test_print_table():
     assert len(results) == len(aot.cases())
 
 
+@pytest.mark.slow
 def test_launch_plans_for_h200():
     """The launchers' choices as intercepted: the standalone cross-entropy one 32k row per program
     in blocks of 8192 at 8 warps, loss pass and gradient pass; the RMSNorm backward over at most
