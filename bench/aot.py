@@ -154,7 +154,7 @@ def sm90(sms: int = H200_SMS):
     patches = []
     for name in OPS_MODULES:
         module = importlib.import_module(name)
-        for attr, fn in vars(module).items():
+        for attr, fn in list(vars(module).items()):
             if isinstance(fn, JITFunction):
                 patches.append((module, attr, fn, fn.device_caches))
                 fn.device_caches = collections.defaultdict(fn.create_binder)  # keep the real device's cache apart

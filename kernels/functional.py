@@ -159,7 +159,9 @@ def _cross_entropy_grad(ctx, grad_rows, _, __):
     args = (logits, target, lse, grad_rows, ctx.ignore_index, ctx.z_loss)
     if ctx.inplace:
         _cross_entropy_backward_(*args)
-        return logits, None, None, None, None
+        # A fresh alias, not the saved tensor itself: autograd adopts a leaf's gradient without a
+        # copy only when nothing else holds the tensor handed to it.
+        return logits.detach(), None, None, None, None
     return _cross_entropy_backward(*args), None, None, None, None
 
 

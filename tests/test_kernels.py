@@ -196,9 +196,9 @@ def test_cross_entropy_masked_leading_blocks(ops, monkeypatch, reduction, kwargs
 
 
 def test_cross_entropy_inplace_backward_reuses_the_logits(ops):
-    """The backward writes the logits' gradient over the logits' own memory, equal to the
-    reference's; the forward leaves them intact; and autograd sees the overwrite: a graph that
-    saved the logits and runs its backward afterwards refuses to."""
+    """The backward writes the logits' gradient over the logits' own memory (a non-leaf's and a
+    leaf's), equal to the reference's; the forward leaves them intact; and autograd sees the
+    overwrite: a graph that saved the logits and runs its backward afterwards refuses to."""
     x, target = torch.randn(37, 1000, requires_grad=True), _targets(37, 1000, 0.2)
     logits = x * 2  # a non-leaf, as a head's output would be
     before = logits.detach().clone()
@@ -221,6 +221,11 @@ def test_cross_entropy_inplace_backward_reuses_the_logits(ops):
     loss = kernels.cross_entropy(logits, target, inplace_backward=True, backend="triton")
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (loss + saved).backward()
+
+    leaf = (2 * x).detach().requires_grad_()  # a leaf's .grad is its own memory too, not a copy
+    kernels.cross_entropy(leaf, target, z_loss=1e-2, inplace_backward=True, backend="triton").backward()
+    assert leaf.grad.data_ptr() == leaf.data_ptr()
+    _assert_close(leaf.grad, xr.grad / 2)
 
 
 @pytest.mark.parametrize("vocab", [1000, 123])
