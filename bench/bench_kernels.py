@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from bench.common import cpu_threads, sync
-from bench.suite import median_s, needs_cuda, record
 from bench.kernel_table import SHAPES, extra_gib, fwd_bwd, grads, make_inputs, max_rel_err, oracle, providers
+from bench.suite import median_s, needs_cuda, record
 
 PEERS = {"rms_norm": ["F.rms_norm", "liger"], "cross_entropy": ["liger"],
          "linear_cross_entropy": ["liger", "F.linear_cross_entropy"]}

@@ -280,6 +280,28 @@ def test_linear_cross_entropy(ops, monkeypatch, rows, hidden, vocab, reduction, 
               z_loss=z_loss, return_z_loss=True)
 
 
+def test_fp32_accumulation_probe_checks_the_value(monkeypatch):
+    """An addmm that accepts out_dtype=fp32 but sums in bf16 (no exception) is not trusted with
+    the weight gradient, nor one that raises; one that keeps the fp32 sum is."""
+    pytest.importorskip("triton")
+    from kernels.ops import linear_cross_entropy as ops
+
+    def bf16_sum(acc, a, b, out_dtype=None, out=None):
+        out.copy_((acc.bfloat16() + a @ b).float())
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("out_dtype is not supported")
+
+    def fp32_sum(acc, a, b, out_dtype=None, out=None):
+        out.copy_(acc + a.float() @ b.float())
+
+    for addmm, trusted in ((bf16_sum, False), (refuses, False), (fp32_sum, True)):
+        monkeypatch.setattr(torch, "addmm", addmm)
+        ops._addmm_accumulates_in_fp32.cache_clear()
+        assert ops._addmm_accumulates_in_fp32(torch.device("cpu")) is trusted
+    ops._addmm_accumulates_in_fp32.cache_clear()
+
+
 @pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_all_targets_ignored(ops, op, reduction):
