@@ -87,6 +87,17 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def kernel_rows_note(device: torch.device, rows: str) -> str:
+    """What the `rows` of a table that ran fastpt's kernels ran: said on a CPU, where it is not them."""
+    if device.type == "cuda":
+        return ""
+    import kernels
+
+    if kernels._interpret():
+        return f"{rows} run the Triton kernels through Triton's CPU interpreter (TRITON_INTERPRET=1), not compiled"
+    return f"on a CPU {rows} run the PyTorch reference, not the Triton kernels, unless TRITON_INTERPRET=1"
+
+
 def fmt(value, spec: str = ".3g") -> str:
     return "–" if value is None else format(value, spec)
 

@@ -3,15 +3,17 @@
 #
 #   FASTPT_COMMIT=$(git rev-parse --short=12 HEAD) bash bench/gpu.sh [OUT_DIR] [SECTIONS]
 #
-# OUT_DIR defaults to $OUT. SECTIONS (comma-separated; default train,modes,scale,float8,tests,kernels,
-# run in that order: the speed levers first, each beside its reference row; suites only when named):
-#   train    python -m bench on 0.04b: eager, compiled+kernels, baseline, compiled (32 x 1024, accum 2)
+# OUT_DIR defaults to $OUT. SECTIONS (comma-separated; default train,kernels,tests,modes,scale,float8,
+# run in that order: the decisions first, within about 5 minutes (does +kernels beat compiled and the
+# baseline, and each kernel its peers), then the GPU tests, then the levers, each beside its
+# reference row; suites only when named):
+#   train    python -m bench on 0.04b: eager, compiled, compiled+kernels, baseline (32 x 1024, accum 2)
+#   kernels  python -m bench kernels: fastpt vs torch eager / torch.compile / peers, with floors
 #   modes    0.04b at 64 x 1024, accum 1 (CUDA graphs need accum 1): compiled+kernels, + CUDA graphs
 #            (reduce-overhead), + autotune (max-autotune-no-cudagraphs), + both (max-autotune)
 #   scale    0.35b (16 x 2048): compiled+kernels with and without activation checkpointing (full, selective)
 #   float8   1b (8 x 2048): compiled+kernels with and without torchao float8 linears
 #   tests    pytest -m gpu tests/   (kernels in bf16, compile, CUDA graphs, profiler, float8 numerics)
-#   kernels  python -m bench kernels: fastpt vs torch eager / torch.compile / peers
 #   suites   pytest -m gpu bench/   (pytest-benchmark suites, JSON)
 # Each section gets at most its own limit and what is left of BENCH_BUDGET_S (default 450 s), so
 # the call ends in time even when a compile is slow; skipped or failed sections are listed in
@@ -22,13 +24,30 @@
 # has no .git.
 set -uo pipefail
 out=$(mkdir -p "${1:-${OUT:?give an output folder as \$1 or set \$OUT}}" && cd "${1:-$OUT}" && pwd) || exit 2
-sections=",${2:-train,modes,scale,float8,tests,kernels},"
+sections=",${2:-train,kernels,tests,modes,scale,float8},"
 cd "$(dirname "$0")/.."
 py=$(command -v python3 || command -v python)
 export PYTHONUNBUFFERED=1
 budget=${BENCH_BUDGET_S:-450}
 start=$SECONDS
 status=()
+
+# summary.md: machine, section outcomes, then every table written so far; rewritten after each
+# section, so a call cut short still leaves the decisions it reached.
+write_summary() {
+    {
+        echo "# fastpt GPU benchmark"
+        echo
+        head -2 "$out/log.txt" | sed 's/^/    /'
+        echo
+        echo "| section | outcome | wall |"
+        echo "|---|---|---|"
+        printf '%s\n' "${status[@]}"
+        for f in train kernels modes scale float8; do
+            [[ -f $out/$f.json ]] && "$py" -c 'import json, sys; print("\n## " + sys.argv[2] + "\n\n" + json.load(open(sys.argv[1]))["markdown"])' "$out/$f.json" "$f"
+        done
+    } >"$out/summary.md"
+}
 
 # run NAME LIMIT_S CMD...: the command under `timeout`, output appended to log.txt and shown;
 # {limit} in CMD becomes the seconds the command itself may plan for (the limit less 20 s of slack)
@@ -49,6 +68,7 @@ run() {
     local what="exit $rc"
     ((rc == 124 || rc == 137)) && what="timed out"
     status+=("| $name | $what | $((SECONDS - t0)) s |")
+    write_summary
 }
 
 {
@@ -56,9 +76,12 @@ run() {
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
 } >"$out/log.txt" 2>&1
 
-# Within a section the modes run in order of need: the reference and the cheaper lever first.
-run train 130 "$py" -m bench --preset 0.04b --modes eager,compiled+kernels,baseline,compiled \
+# The decisions: the 0.04b train table and the kernel table, together within about 5 minutes.
+run train 170 "$py" -m bench --preset 0.04b --modes eager,compiled,compiled+kernels,baseline \
     --steps 20 --mode-timeout 90 --time-budget {limit} --json "$out/train.json"
+run kernels 120 "$py" -m bench kernels --json "$out/kernels.json"
+run tests 100 "$py" -m pytest -q -m gpu tests -p no:cacheprovider
+# The levers, each beside its reference row; within a section the cheaper lever first.
 run modes 110 "$py" -m bench --preset 0.04b --micro-batch 64 --grad-accum 1 --modes \
     compiled+kernels,compiled+kernels+cudagraphs,compiled+kernels+autotune,compiled+kernels+autotune+cudagraphs \
     --steps 20 --mode-timeout 90 --time-budget {limit} --json "$out/modes.json"
@@ -66,21 +89,7 @@ run scale 100 "$py" -m bench --preset 0.35b --modes compiled+kernels,compiled+ke
     --steps 10 --mode-timeout 90 --time-budget {limit} --json "$out/scale.json"
 run float8 90 "$py" -m bench --preset 1b --modes compiled+kernels,compiled+kernels+float8 \
     --steps 10 --mode-timeout 90 --time-budget {limit} --json "$out/float8.json"
-run tests 100 "$py" -m pytest -q -m gpu tests -p no:cacheprovider
-run kernels 100 "$py" -m bench kernels --json "$out/kernels.json"
 run suites 150 "$py" -m pytest -q -m gpu bench -p no:cacheprovider --benchmark-json "$out/suites.json"
 
-# summary.md: machine, section outcomes, then every table that was written
-{
-    echo "# fastpt GPU benchmark"
-    echo
-    head -2 "$out/log.txt" | sed 's/^/    /'
-    echo
-    echo "| section | outcome | wall |"
-    echo "|---|---|---|"
-    printf '%s\n' "${status[@]}"
-    for f in train modes scale float8 kernels; do
-        [[ -f $out/$f.json ]] && "$py" -c 'import json, sys; print("\n## " + sys.argv[2] + "\n\n" + json.load(open(sys.argv[1]))["markdown"])' "$out/$f.json" "$f"
-    done
-} >"$out/summary.md"
+write_summary
 cat "$out/summary.md"

@@ -5,8 +5,10 @@ python -m bench kernels [--device cuda|cpu] [--ops LIST] [--providers LIST] [--j
 On CUDA: bf16 at the 0.04b model's shapes (32k tokens x dim 512, vocab 32000),
 triton.testing.do_bench medians and the extra memory one call allocates (max_memory_allocated
 minus what was allocated before; the input gradients are part of it). On CPU: fp32 at small
-shapes, wall-clock medians, memory shown as "–"; there fastpt dispatches to its reference, so
-the table only checks the harness.
+shapes, wall-clock medians, memory shown as "–"; there fastpt dispatches to its reference unless
+TRITON_INTERPRET=1, so the table only checks the harness. Each row also has a floor: the bytes
+the op must move over the copy bandwidth measured at the start of the run, or its matmul FLOPs
+over a matmul measured then, whichever is longer, and the provider's time as a % of it.
 Liger and torch's chunked F.linear_cross_entropy join when importable / present.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from bench.common import env_info, fmt, markdown_table, sync, write_json
+from bench.common import env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, sync, write_json
 from kernels import reference
 
 EPS = 1e-6
@@ -143,10 +145,47 @@ def extra_gib(fn: Callable[[], object], device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**30
 
 
-def bench_op(op: str, device: torch.device, dtype: torch.dtype, names: list[str] | None = None) -> list[dict]:
+def min_work(op: str, shape: tuple, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes, FLOPs) a forward + backward of `op` cannot do without."""
+    size = dtype.itemsize
+    if op == "rms_norm":
+        n, d = shape
+        return 5 * n * d * size, 0  # read x, write y; read dy and x, write dx
+    if op == "cross_entropy":
+        n, v = shape
+        return 2 * n * v * size, 0  # read the logits, write their gradient
+    n, d, v = shape
+    return 2 * (n * d + v * d) * size, 6 * n * d * v  # inputs in, their gradients out; 3 (N, D) x (D, V) matmuls
+
+
+def copy_gbps(device: torch.device) -> float:
+    """Device-memory copy bandwidth measured now, GB/s (bytes read + written per second)."""
+    x = torch.empty((2**30 if device.type == "cuda" else 2**26) // 4, device=device)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), device)
+    return 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def matmul_gflops(device: torch.device, dtype: torch.dtype) -> float:
+    """A square matmul's GFLOP/s measured now (bf16 8192^3 on CUDA, 1024^3 in dtype on a CPU)."""
+    if device.type == "cuda":
+        return 1e3 * matmul_tflops(device)
+    a, b = (torch.randn(1024, 1024, dtype=dtype) for _ in range(2))
+    return 2 * 1024**3 / (time_ms(lambda: a @ b, device) * 1e-3) / 1e9
+
+
+def floor_ms(op: str, shape: tuple, dtype: torch.dtype, ceilings: dict) -> float:
+    """The least time the op can take at the measured bandwidth and matmul speed."""
+    nbytes, flops = min_work(op, shape, dtype)
+    return 1e3 * max(nbytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["matmul_gflops"] * 1e9))
+
+
+def bench_op(op: str, device: torch.device, dtype: torch.dtype, names: list[str] | None = None,
+             ceilings: dict | None = None) -> list[dict]:
     """One row per provider of `op`; a provider that raises gets a row with its error instead."""
     shape = SHAPES[op][device.type != "cuda"]
     want = oracle(op, make_inputs(op, shape, device, dtype), dtype)
+    floor = floor_ms(op, shape, dtype, ceilings) if ceilings else None
     rows = []
     for name, fn in providers(op, device).items():
         if names and name not in names:
@@ -157,6 +196,7 @@ def bench_op(op: str, device: torch.device, dtype: torch.dtype, names: list[str]
             row["rel_err"] = max_rel_err(grads(fwd_bwd(fn, args), args), want)
             row["ms"] = time_ms(lambda: fwd_bwd(fn, args), device)
             row["extra_gib"] = extra_gib(lambda: fwd_bwd(fn, args), device)
+            row["floor_ms"] = floor
         except Exception as e:  # a peer that fails (say, under compile) is a result, not a crash
             row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"[:200]
         rows.append(row)
@@ -168,20 +208,34 @@ def speedup(row: dict, rows: list[dict], provider: str) -> str:
     return f"{ref['ms'] / row['ms']:.2f}x" if ref and "ms" in row else "–"
 
 
+def _floor(row: dict) -> list[str]:
+    floor = row.get("floor_ms")
+    return ["–", "–"] if floor is None else [f"{floor:.3f}", f"{100 * floor / row['ms']:.0f}%"]
+
+
 def markdown(rows: list[dict], env: dict) -> str:
     head = (f"kernels, forward + backward · {env['device_name']} · torch {env['torch']} · triton {env['triton']} "
             f"· liger {env['liger_kernel'] or 'not installed'} · commit {env['commit']}")
-    header = ["op", "shape", "dtype", "provider", "ms", "vs torch", "vs torch.compile", "extra GiB", "max rel err"]
+    if env.get("copy_gbps"):
+        head += f" · copy {env['copy_gbps']:.0f} GB/s, matmul {env['matmul_gflops'] / 1e3:.3g} TFLOP/s measured now"
+    note = kernel_rows_note(torch.device(env["device"]), "fastpt rows")
+    if note:
+        head += f"\n\n{note[0].upper()}{note[1:]}."
+    header = ["op", "shape", "dtype", "provider", "ms", "floor ms", "% of floor", "vs torch", "vs torch.compile",
+              "extra GiB", "max rel err"]
     table = []
     for r in rows:
         first = [r["op"], " x ".join(map(str, r["shape"])), r["dtype"], r["provider"]]
         if "error" in r:
-            table.append(first + [f"error: {r['error']}", "", "", "", ""])
+            table.append(first + [f"error: {r['error']}"] + [""] * (len(header) - len(first) - 1))
         else:
-            table.append(first + [f"{r['ms']:.3f}", speedup(r, rows, "torch"), speedup(r, rows, "torch.compile"),
+            table.append(first + [f"{r['ms']:.3f}", *_floor(r), speedup(r, rows, "torch"),
+                                  speedup(r, rows, "torch.compile"),
                                   fmt(r["extra_gib"], ".3f"), f"{r['rel_err']:.1e}"])
-    note = "speedups are the provider's ms over the torch / torch.compile ms of the same op (higher is faster)"
-    return f"{head}\n\n{markdown_table(header, table)}\n\n{note}."
+    legend = ("speedups are the provider's ms over the torch / torch.compile ms of the same op (higher is faster); "
+              "floor ms = max(bytes the op must move / copy bandwidth, matmul FLOPs / matmul speed), "
+              "% of floor = floor ms / ms (100% = at the floor)")
+    return f"{head}\n\n{markdown_table(header, table)}\n\n{legend}."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,12 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     names = args.providers.split(",") if args.providers else None
     env = env_info(device)
+    env.update(copy_gbps=copy_gbps(device), matmul_gflops=matmul_gflops(device, dtype))
+    ceilings = {k: env[k] for k in ("copy_gbps", "matmul_gflops")}
     rows = []
     for op in args.ops.split(","):
         if op not in SHAPES:
             ap.error(f"unknown op {op!r}: choose from {', '.join(SHAPES)}")
         print(f"bench kernels: {op} ...", file=sys.stderr, flush=True)
-        rows += [{**env, **r} for r in bench_op(op, device, dtype, names)]
+        rows += [{**env, **r} for r in bench_op(op, device, dtype, names, ceilings)]
     table = markdown(rows, env)
     print(table)
     if args.json:

@@ -46,7 +46,9 @@ def test_kernel_cli_rows(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["op"], r["provider"]) for r in rows} == {
         (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy") for p in ("torch", "fastpt")}
-    assert all(r["ms"] > 0 and r["rel_err"] < 1e-5 for r in rows)
+    assert all(r["ms"] > 0 and r["rel_err"] < 1e-5 and 0 < r["floor_ms"] for r in rows)
+    assert rows[0]["copy_gbps"] > 0 and "| floor ms | % of floor |" in proc.stdout
+    assert "fastpt rows run the PyTorch reference, not the Triton kernels, unless TRITON_INTERPRET=1" in proc.stdout
 
 
 def test_modes_parse():

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from bench import baseline
-from bench.common import REPO, env_info, fmt, markdown_table, matmul_tflops, rss_gib, sync, write_json
+from bench.common import REPO, env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, rss_gib, sync, write_json
 from fastpt import float8
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig, model_config
 from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
@@ -286,7 +286,10 @@ def markdown(rows: list[dict], info: dict) -> str:
                       fmt(r["mfu_matmul"], ".2f"), f"{r['loss']:.5f}", f"{r['compile_s']:.1f}",
                       f"{r['data_wait_pct']:.1f}", str(r["graphs_after_warmup"])])
     mem = "CUDA max_memory_allocated" if info["device"] == "cuda" else "peak RSS growth of the mode's process"
-    return f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up."
+    with_kernels = any("+kernels" in r["mode"] for r in rows)
+    note = kernel_rows_note(torch.device(info["device"]), "+kernels rows") if with_kernels else ""
+    return (f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up"
+            + (f"; {note}." if note else "."))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

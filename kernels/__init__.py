@@ -67,8 +67,8 @@ def cross_entropy(
 
     z_loss adds z_loss * logsumexp(logits)^2 per counted row, reduced like the loss (PaLM's
     stabilizer); return_z_loss=True returns (loss, that term alone, detached). inplace_backward=True
-    lets the Triton path overwrite the logits with their gradient (one (N, V) buffer, not two): do not
-    read logits after the call. The reference ignores it.
+    lets the Triton path's backward overwrite the logits with their gradient (one (N, V) buffer, not
+    two): do not read logits after the backward. The reference ignores it.
     """
     _check_loss_args(reduction, logits=logits)
     if not _use_triton(backend, logits):

@@ -7,8 +7,6 @@ a backward run with create_graph=True raises. The Triton modules are imported in
 bodies, so `import kernels` does not import triton. TRITON_INTERPRET must be set before triton
 is first imported: triton.jit reads it when a function is decorated, triton.language's own included.
 """
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -94,99 +92,80 @@ def _rows_fake(rows: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------------ cross-entropy
 #
-# Three ops: the kernel, functional (cross_entropy) or writing the gradient over the logits
-# (cross_entropy_), neither differentiable; and cross_entropy_reduce, whose backward scales the
-# gradient the kernel made, in place. The backward mutates an input of that op, never an output
-# of the forward, which AOT autograd (and opcheck) require.
-
-def _forward_scale(logits: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    """The mean's 1/n goes into the gradient made in the forward, so that the common backward with
-    an upstream gradient of 1 has nothing to do; fp16 would underflow on (p - onehot) / n, so
-    there it waits for the backward."""
-    if logits.dtype == torch.float16:
-        return torch.ones((), dtype=torch.float32, device=logits.device)
-    return _row_scale(target, ignore_index, reduction)
-
+# The forward op makes the loss rows and saves their log-sum-exp; its backward writes the gradient
+# in one pass with the upstream gradient of each row folded in (the reduction's 1/n arrives in it
+# from reduce_rows' own autograd), into a new buffer or over the saved logits (cross_entropy_backward_).
 
 @torch.library.custom_op("fastpt::cross_entropy", mutates_args=())
 def _cross_entropy(
-    logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, grad_scale: Optional[Tensor]
+    logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, inplace_backward: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss rows, z-loss rows, grad_scale * dloss_row/dlogits, or an empty tensor without grad_scale)."""
+    """(loss rows, z-loss rows, log-sum-exp rows); inplace_backward only tells the backward where to write."""
     from kernels.ops import cross_entropy as ops
 
-    with_grad = grad_scale is not None
-    grad = torch.empty(logits.shape if with_grad else 0, dtype=logits.dtype, device=logits.device)
-    loss_rows, z_rows = ops.cross_entropy_forward(
-        logits, target, ignore_index, z_loss, grad if with_grad else None, grad_scale
-    )
-    return loss_rows, z_rows, grad
+    return ops.cross_entropy_forward(logits, target, ignore_index, z_loss)
 
 
 @_cross_entropy.register_fake
-def _(logits, target, ignore_index, z_loss, grad_scale):
-    return _rows_fake(logits), _rows_fake(logits), logits.new_empty(logits.shape if grad_scale is not None else 0)
+def _(logits, target, ignore_index, z_loss, inplace_backward):
+    return _rows_fake(logits), _rows_fake(logits), _rows_fake(logits)
 
 
-@torch.library.custom_op("fastpt::cross_entropy_", mutates_args=("logits",))
-def _cross_entropy_(
-    logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, grad_scale: Tensor
-) -> tuple[Tensor, Tensor]:
-    """As cross_entropy, the gradient written over the logits."""
+@torch.library.custom_op("fastpt::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward(
+    logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
+) -> Tensor:
+    """d(sum_i grad_rows[i] * loss_i)/dlogits, (N, V) contiguous."""
     from kernels.ops import cross_entropy as ops
 
-    return ops.cross_entropy_forward(logits, target, ignore_index, z_loss, logits, grad_scale)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, grad)
+    return grad
 
 
-@_cross_entropy_.register_fake
-def _(logits, target, ignore_index, z_loss, grad_scale):
-    return _rows_fake(logits), _rows_fake(logits)
+@_cross_entropy_backward.register_fake
+def _(logits, target, lse, grad_rows, ignore_index, z_loss):
+    return logits.new_empty(logits.shape)
 
 
-@torch.library.custom_op("fastpt::scale_rows_", mutates_args=("x",))
-def _scale_rows_(x: Tensor, scale: Tensor) -> None:
+@torch.library.custom_op("fastpt::cross_entropy_backward_", mutates_args=("logits",))
+def _cross_entropy_backward_(
+    logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
+) -> None:
+    """As cross_entropy_backward, the gradient written over the logits."""
     from kernels.ops import cross_entropy as ops
 
-    ops.scale_rows_(x, scale)
+    ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, logits)
 
 
-@_scale_rows_.register_fake
-def _(x, scale):
+@_cross_entropy_backward_.register_fake
+def _(logits, target, lse, grad_rows, ignore_index, z_loss):
     return None
 
 
-@torch.library.custom_op("fastpt::cross_entropy_reduce", mutates_args=())
-def _cross_entropy_reduce(
-    loss_rows: Tensor, logits: Tensor, grad: Tensor, target: Tensor, ignore_index: int, reduction: str
-) -> Tensor:
-    """loss_rows reduced; its gradient with respect to logits is `grad`, which the kernel made for
-    an upstream gradient of 1, times the upstream gradient."""
-    loss = reduce_rows(loss_rows, target, ignore_index, reduction)
-    return loss.clone() if loss is loss_rows else loss  # an op's output may not alias its input
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, ctx.ignore_index, ctx.z_loss, ctx.inplace = inputs
+    _, z_rows, lse = output
+    ctx.mark_non_differentiable(z_rows, lse)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(logits, target, lse)
 
 
-@_cross_entropy_reduce.register_fake
-def _(loss_rows, logits, grad, target, ignore_index, reduction):
-    return _loss_fake(loss_rows, reduction)
-
-
-def _cross_entropy_reduce_setup(ctx, inputs, output):
-    _, _, grad, target, ctx.ignore_index, ctx.reduction = inputs
-    ctx.save_for_backward(grad, target)
-
-
-def _cross_entropy_reduce_grad(ctx, grad_loss):
-    # Scaling in place saves an (N, V) buffer; a second backward through the same graph
-    # (retain_graph) trips autograd's saved-tensor version check instead of scaling twice.
+def _cross_entropy_grad(ctx, grad_rows, _, __):
     _no_double_backward("cross_entropy")
-    grad, target = ctx.saved_tensors
-    if grad.dtype == torch.float16:  # the forward left the mean's 1/n out (_forward_scale)
-        grad_loss = grad_loss * _row_scale(target, ctx.ignore_index, ctx.reduction)
-    _scale_rows_(grad, grad_loss)
-    return None, grad, None, None, None, None
+    if grad_rows is None:
+        return None, None, None, None, None
+    logits, target, lse = ctx.saved_tensors
+    args = (logits, target, lse, grad_rows, ctx.ignore_index, ctx.z_loss)
+    if ctx.inplace:
+        _cross_entropy_backward_(*args)
+        # A fresh alias, not the saved tensor itself: autograd adopts a leaf's gradient without a
+        # copy only when nothing else holds the tensor handed to it.
+        return logits.detach(), None, None, None, None
+    return _cross_entropy_backward(*args), None, None, None, None
 
 
-_cross_entropy_reduce.register_autograd(_cross_entropy_reduce_grad, setup_context=_cross_entropy_reduce_setup)
+_cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
 
 
 def cross_entropy(
@@ -196,25 +175,16 @@ def cross_entropy(
     """Cross-entropy of logits (N, V) against target (N,) plus z_loss * lse^2 per counted row; fp32
     loss, "mean" over non-ignored rows. With return_z_loss, (loss, the z-loss term alone, detached).
 
-    inplace_backward=True writes the gradient over the logits in the forward (as Liger does), so
-    the pair costs one (N, V) buffer instead of two: the logits' values are lost, and reading them
-    afterwards gives the gradient. Targets outside [0, V) other than ignore_index are not checked
-    (that would need a host sync).
+    inplace_backward=True makes the backward write the gradient over the logits, so the pair costs
+    one (N, V) buffer instead of two: after the backward the logits' values are gone, and reading
+    them gives the gradient. Targets outside [0, V) other than ignore_index are not checked (that
+    would need a host sync).
     """
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     target = target.contiguous()
-    if torch.is_grad_enabled() and logits.requires_grad:
-        scale = _forward_scale(logits, target, ignore_index, reduction)
-        if inplace_backward:
-            grad = logits.detach()  # the kernels write through this alias; autograd sees the op's mutation
-            loss_rows, z_rows = _cross_entropy_(grad, target, ignore_index, z_loss, scale)
-        else:
-            loss_rows, z_rows, grad = _cross_entropy(logits.detach(), target, ignore_index, z_loss, scale)
-        loss = _cross_entropy_reduce(loss_rows, logits, grad, target, ignore_index, reduction)
-    else:
-        loss_rows, z_rows, _ = _cross_entropy(logits, target, ignore_index, z_loss, None)
-        loss = reduce_rows(loss_rows, target, ignore_index, reduction)
+    loss_rows, z_rows, _ = _cross_entropy(logits, target, ignore_index, z_loss, inplace_backward)
+    loss = reduce_rows(loss_rows, target, ignore_index, reduction)
     return (loss, reduce_rows(z_rows, target, ignore_index, reduction)) if return_z_loss else loss
 
 

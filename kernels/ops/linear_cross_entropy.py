@@ -2,7 +2,13 @@
 
 Per chunk: logits = x @ W.T (torch matmul, fp32 accumulation), the cross-entropy kernel turns
 them into the gradient in place, then dx = grad @ W and dW += grad.T @ x into an fp32
-accumulator. Extra memory is one chunk of logits plus the fp32 dW.
+accumulator. Extra memory is one chunk of logits plus the fp32 dW. Every chunk reads and writes
+the whole dW (131 MB at 32000 x 512), so chunks are large: 8 of 4096 rows at 32k tokens x 32k vocab.
+
+The chunk's logits have a row stride rounded up to ROW_ALIGN elements (W is zero-padded to that
+many rows for the matmul; the kernel reads the padding, treats it as -inf and writes it a zero
+gradient): with an odd vocabulary such as GPT-2's 50257 the rows would otherwise be misaligned
+and the masks ragged, and the kernel's loads and stores 16-bit scalars, not 128-bit.
 """
 import functools
 
@@ -11,26 +17,29 @@ import triton
 
 from kernels.ops.cross_entropy import cross_entropy_forward
 
-CHUNK_BYTES = 64 * 2**20  # logits held at once; ~1K rows of a 32K vocabulary in bf16
+CHUNK_BYTES = 256 * 2**20  # logits held at once; 4K rows of a 32K vocabulary in bf16
+ROW_ALIGN = 64  # elements: 128 bytes of bf16, a cache line
 
 
 def _chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype) -> int:
     """Rows per chunk: equal chunks, none above CHUNK_BYTES of logits."""
-    bytes_per_row = n_cols * torch.finfo(dtype).bits // 8
+    bytes_per_row = n_cols * dtype.itemsize
     n_chunks = max(1, triton.cdiv(n_rows * bytes_per_row, CHUNK_BYTES))
     return max(1, triton.cdiv(n_rows, n_chunks))
 
 
 @functools.lru_cache
 def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
-    """Whether addmm can add a bf16 product straight into an fp32 tensor here: recent torch on
-    CUDA only (older releases require `self` in the inputs' dtype), so ask once per device."""
-    acc, one = torch.zeros(1, 1, device=device), torch.ones(1, 1, device=device, dtype=torch.bfloat16)
+    """Whether addmm can add a bf16 product straight into an fp32 tensor here, keeping the sum in
+    fp32: recent torch on CUDA only (older releases require `self` in the inputs' dtype), so ask
+    once per device, and check the value: 1 + 2**-10 survives fp32 but rounds to 1 in bf16."""
+    acc = torch.ones(1, 1, device=device)
+    a, b = (torch.full((1, 1), v, device=device, dtype=torch.bfloat16) for v in (2.0**-5, 2.0**-5))
     try:
-        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        return acc.item() == 1 + 2.0**-10
+    except (RuntimeError, TypeError, NotImplementedError):  # meta tensors have no value: the fallback
         return False
-    return True
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -41,6 +50,17 @@ def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc += (a @ b).float()  # the product is rounded once, the sum over chunks stays fp32
+
+
+def _padded_rows(weight: torch.Tensor, dtype: torch.dtype, multiple: int) -> torch.Tensor:
+    """weight (V, D) in dtype and contiguous, zero rows appended up to a multiple of `multiple`
+    (weight itself when nothing changes)."""
+    pad = -weight.shape[0] % multiple
+    if not pad:
+        return weight.to(dtype).contiguous()
+    out = weight.new_zeros((weight.shape[0] + pad, weight.shape[1]), dtype=dtype)
+    out[: weight.shape[0]] = weight
+    return out
 
 
 def linear_cross_entropy_forward(
@@ -58,8 +78,9 @@ def linear_cross_entropy_forward(
     With grad_scale (0-dim or (N,)), also returns d(sum_i grad_scale[i] * loss_i) with respect to
     input (in its dtype) and weight (in fp32); otherwise None for both. Matmuls run in compute_dtype.
     """
-    n_rows = input.shape[0]
-    w = weight.to(compute_dtype).contiguous()
+    n_rows, n_cols = input.shape[0], weight.shape[0]
+    w_padded = _padded_rows(weight, compute_dtype, ROW_ALIGN)  # (V rounded up, D): logits rows 128-byte aligned
+    w = w_padded[:n_cols]  # (V, D)
     loss = torch.empty(n_rows, dtype=torch.float32, device=input.device)
     z = torch.empty_like(loss)
     dinput = dweight = None
@@ -67,17 +88,18 @@ def linear_cross_entropy_forward(
         grad_scale = grad_scale.expand(n_rows)
         dinput = torch.empty_like(input)
         dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    chunk = _chunk_rows(n_rows, w.shape[0], compute_dtype)
+    chunk = _chunk_rows(n_rows, w_padded.shape[0], compute_dtype)
     for start in range(0, n_rows, chunk):
         rows = slice(start, start + chunk)
         x = input[rows].to(compute_dtype)
-        logits = x @ w.T  # (chunk, V)
+        logits = (x @ w_padded.T)[:, :n_cols]  # (chunk, V), row stride V rounded up
         if grad_scale is None:
-            loss[rows], z[rows] = cross_entropy_forward(logits, target[rows], ignore_index, z_loss)
+            loss[rows], z[rows], _ = cross_entropy_forward(logits, target[rows], ignore_index, z_loss,
+                                                           row_width=w_padded.shape[0])
             continue
         # The gradient overwrites the logits in place.
-        loss[rows], z[rows] = cross_entropy_forward(logits, target[rows], ignore_index, z_loss, logits,
-                                                    grad_scale[rows])
+        loss[rows], z[rows], _ = cross_entropy_forward(logits, target[rows], ignore_index, z_loss, logits,
+                                                       grad_scale[rows], w_padded.shape[0])
         dinput[rows] = logits @ w
         _accumulate_mm(dweight, logits.T, x)
     return loss, z, dinput, dweight

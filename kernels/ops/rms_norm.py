@@ -2,7 +2,8 @@
 
 Each program owns a [BLOCK_ROWS, BLOCK_COLS] tile: at small hidden sizes (512) one row per
 program would leave most lanes of a warp idle. The backward runs a fixed number of programs,
-each reducing its rows' weight gradient into one fp32 partial sum; torch sums the partials in fp32.
+each reducing its rows' weight gradient into one fp32 partial sum (a column vector, summed over
+each tile's rows as it goes); torch sums the partials in fp32.
 """
 import torch
 import triton
@@ -11,6 +12,10 @@ import triton.language as tl
 from kernels.ops._launch import max_programs, num_warps
 
 MAX_COLS = 65536  # one row must fit in a program's registers
+# Values per program. The backward holds x, dy, w and the weight-gradient column per value: its
+# tile is smaller and it runs about 8 values per thread (4-16 warps), so that sm_90 keeps 4+
+# programs per SM at hidden 512-2048 (2 of 16 warps at 4096: half the SM's threads) with no spill.
+FWD_TILE, BWD_TILE, BWD_VALUES_PER_THREAD = 4096, 1024, 8
 
 
 @triton.jit
@@ -41,7 +46,7 @@ def _rms_norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_COLS)
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_ROWS, BLOCK_COLS), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_COLS,), dtype=tl.float32)  # a column vector: a full fp32 tile cost 4x the registers
     first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
     for start in range(first, last, BLOCK_ROWS):
@@ -57,8 +62,8 @@ def _rms_norm_bwd_kernel(
         c = tl.sum(x_hat * wdy, axis=1) / n_cols
         dx = (wdy - x_hat * c[:, None]) * rstd[:, None]
         tl.store(dx_ptr + rows[:, None] * dx_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * x_hat
-    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+        dw += tl.sum(dy * x_hat, axis=0)
+    tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -67,11 +72,12 @@ def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def _tile(n_cols: int) -> tuple[int, int]:
+def _tile(n_cols: int, elements: int) -> tuple[int, int]:
+    """(BLOCK_ROWS, BLOCK_COLS) of a tile of about `elements` values, whole rows."""
     if n_cols > MAX_COLS:
         raise ValueError(f"rms_norm kernel supports a last dim of at most {MAX_COLS}, got {n_cols}")
     block_cols = triton.next_power_of_2(n_cols)
-    return max(1, 4096 // block_cols), block_cols  # about 4K elements per program
+    return max(1, elements // block_cols), block_cols
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +87,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     n_rows = x2.shape[0]
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block_rows, block_cols = _tile(n_cols)
+    block_rows, block_cols = _tile(n_cols, FWD_TILE)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
         x2, x2.stride(0), y, y.stride(0), weight.contiguous(), rstd, n_rows, n_cols, eps,
         BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps(block_rows * block_cols),
@@ -96,7 +102,7 @@ def rms_norm_backward(
     n_cols = x.shape[-1]
     x2, dy2 = _as_rows(x, n_cols), _as_rows(dy, n_cols)
     n_rows = x2.shape[0]
-    block_rows, block_cols = _tile(n_cols)
+    block_rows, block_cols = _tile(n_cols, BWD_TILE)
     # Whole tiles per program, and no more programs than fill the device once.
     tiles_per_program = triton.cdiv(triton.cdiv(n_rows, block_rows), max_programs(x.device))
     rows_per_program = max(1, tiles_per_program) * block_rows
@@ -106,6 +112,7 @@ def rms_norm_backward(
     _rms_norm_bwd_kernel[(grid,)](
         dy2, dy2.stride(0), x2, x2.stride(0), weight.contiguous(), rstd.reshape(-1), dx, dx.stride(0), dw_partial,
         n_rows, n_cols, rows_per_program,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps(block_rows * block_cols),
+        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+        num_warps=max(4, min(16, block_rows * block_cols // (32 * BWD_VALUES_PER_THREAD))),
     )
     return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
