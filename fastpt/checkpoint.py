@@ -227,7 +227,7 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     """The whole state of a file; of a shard directory, all but the model and optimizer
-    (load_state reads those). Nothing in the file runs: see the module's docstring."""
+    (`apply` reads those). Nothing in the file runs: see the module's docstring."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     try:
