@@ -102,7 +102,7 @@ def check_resume(data: Path, run: Path, every: int, steps: int, log: Path) -> di
 
 def growth(samples: list[dict], key: str, warm_steps: int) -> tuple[float, float, float]:
     """(value just after warm-up, value at the end, growth in %), each a median of 5 samples."""
-    warm = [s for s in samples if s["steps"] >= warm_steps]
+    warm = [s for s in samples if s["steps"] >= warm_steps] or samples
     first = statistics.median(s[key] for s in warm[:5])
     last = statistics.median(s[key] for s in warm[-5:])
     return first, last, 100 * (last - first) / first
@@ -117,8 +117,8 @@ def summarize(samples: list[dict], ms: list[float], warm_steps: int, resume: dic
         "rss_mib": {"after_warmup": round(rss[0], 1), "end": round(rss[1], 1), "growth_pct": round(rss[2], 2),
                     "max": round(max(s["rss_mib"] for s in samples), 1)},
         "open_fds": {"after_warmup": fds[0], "end": fds[1], "max": max(s["fds"] for s in samples)},
-        "step_ms": {"after_warmup": round(steady, 3), "end": round(end, 3), "growth_pct": round(100 * (end - steady) / steady, 2),
-                    "window_steps": window},
+        "step_ms": {"after_warmup": round(steady, 3), "end": round(end, 3),
+                    "growth_pct": round(100 * (end - steady) / steady, 2), "window_steps": window},
         "metrics_partial_samples": sum(not s["whole"] for s in samples), "resume": resume,
         "load_before": os.getloadavg(),
     }

@@ -156,7 +156,8 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(r
                 if line.startswith(f"fastpt: warning: could not write checkpoint {out / 'ckpt_00000006'}: ")]
         assert len(said) == 1 and said[0].endswith("; ckpt_00000003 is intact"), result.stderr[-4000:]
     assert "Traceback" not in result.stderr.split(said[0])[0]  # the first attempt ended without one
-    assert result.stdout.count("resumed from") == 1 and f"resumed from {out / checkpoint_name(layout, 3)}" in result.stdout
+    assert result.stdout.count("resumed from") == 1
+    assert f"resumed from {out / checkpoint_name(layout, 3)}" in result.stdout
     assert curve(out) == curve(runs[layout])  # exactly, step for step
     assert not list(out.glob(".ckpt_*"))  # the half-written checkpoint was cleared by the next save
 
