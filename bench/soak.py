@@ -52,8 +52,8 @@ class Watcher:
 def train_args(data: Path, run: Path, steps: int, every: int) -> list[str]:
     return [sys.executable, "-m", "fastpt.train", "--device", "cpu", "--preset", "tiny", "--dtype", "fp32",
             "--data", str(data), "--out", str(run), "--seq-len", "64", "--micro-batch", "8",
-            "--max-steps", str(steps), "--warmup-steps", "100", "--log-every", "1", "--eval-every", str(every),
-            "--eval-tokens", "4096", "--ckpt-every", str(every), "--keep-checkpoints", "3"]
+            "--max-steps", str(steps), "--warmup-steps", str(min(100, steps // 2)), "--log-every", "1",
+            "--eval-every", str(every), "--eval-tokens", "4096", "--ckpt-every", str(every), "--keep-checkpoints", "3"]
 
 
 def watch(cmd: list[str], run: Path, log: Path, interval: float) -> list[dict]:
