@@ -101,7 +101,8 @@ def check_out(out: Path, ours: Iterable[str], marker: str, command: str, overwri
                           + (f" ({named})" if foreign else f" (no {marker})")
                           + ": nothing deleted; choose a new or empty folder")
     if not overwrite:
-        raise ConfigError(f"--out {out} already holds the output of an earlier {command}: add --overwrite to replace it")
+        raise ConfigError(f"--out {out} already holds the output of an earlier {command}: "
+                          "add --overwrite to replace it")
 
 
 def lock(path: Path, what: str) -> IO[str]:
@@ -130,11 +131,14 @@ def lock_folder(path: Path, out: Path, command: str) -> int:
     while True:
         try:
             path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"--out {out}: cannot create {path} ({os_reason(e)})") from None
+        try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
             continue  # its owner renamed it to --out just now
         except OSError as e:
-            raise DiskError(f"--out {out}: cannot create {path} ({os_reason(e)})") from None
+            raise ConfigError(f"--out {out}: cannot open {path} ({os_reason(e)})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

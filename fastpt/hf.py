@@ -212,16 +212,18 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     return cfg, from_hf_state_dict(read_safetensors(hf_dir), cfg, str(hf_dir))
 
 
-def parse_size(text: str) -> int:
-    """'5GB' -> 5 * 10**9, '1000' -> 1000 bytes: huggingface_hub's units (KB, MB, GB, TB), as
-    transformers' save_pretrained reads them."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-
+def parse_size(text: str) -> int | str:
+    """A --max-shard-size as huggingface_hub's shard split takes it: a byte count ('1000') as an int,
+    else a size with its units ('5GB', '500MB', as transformers' save_pretrained), checked by the
+    hub's own parser before any work starts."""
+    hub = require("huggingface_hub", "exporting to Hugging Face", "huggingface_hub")
+    size: int | str = int(text) if text.strip().isdigit() else text.strip()
     try:
-        size = int(text) if text.strip().isdigit() else parse_size_to_int(text)
+        hub.split_torch_state_dict_into_shards({"probe": torch.zeros(1)}, max_shard_size=size)
+        number = float(size[:-2]) if isinstance(size, str) else size  # the hub's units are two letters
     except ValueError:
-        size = 0
-    if size < 1:
+        number = 0
+    if not number > 0:
         raise ConfigError(f"'--max-shard-size' must be a size such as 5GB or 500MB, got {text!r}")
     return size
 
@@ -242,7 +244,7 @@ def save_readable(st, tensors: dict[str, torch.Tensor], path: Path) -> None:
     path.chmod(0o666 & ~umask)
 
 
-def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int) -> None:
+def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: int | str) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors shards of at most max_shard_size bytes
     each (a larger tensor gets a shard of its own) with model.safetensors.index.json, split as
     huggingface_hub splits them for transformers."""
@@ -306,7 +308,7 @@ def save_tokenizer(tok, doc_id: int | None, out: Path, max_seq_len: int) -> tupl
 
 
 def save_hf(out: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-            tokenizer=None, doc_id: int | None = None, max_shard_size: int = 5 * 10**9) -> None:
+            tokenizer=None, doc_id: int | None = None, max_shard_size: int | str = "5GB") -> None:
     """Write a LlamaForCausalLM folder into `out` (created if missing): config.json,
     generation_config.json, safetensors weights in `dtype`, and the tokenizer files when given a
     `tokenizers` Tokenizer (see hf_tokenizer) and the id fastpt starts documents with."""

@@ -56,8 +56,8 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[int]]:
         else:
             val[record["step"]] = record
     if not train:
-        raise DataError(f"{path} has no train records" + (f" ({len(skipped)} damaged lines, the first line {skipped[0]})"
-                                                          if skipped else " yet"))
+        damaged = f" ({len(skipped)} damaged lines, the first line {skipped[0]})" if skipped else " yet"
+        raise DataError(f"{path} has no train records{damaged}")
     return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)], skipped
 
 

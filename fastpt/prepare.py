@@ -40,7 +40,7 @@ MIN_VAL_TOKENS = 2049  # one eval window at seq_len 2048, the longest preset's
 SHARD_TOKENS = 100_000_000  # as llm.c's FineWeb shards
 TOKENIZER_SAMPLE_MB = 100
 BATCH_CHARS = 1 << 20  # text per task sent to a worker: large enough to amortise the pickling
-DATASET_FILES = ("meta.json", "tokenizer.json", "train_*.bin", "val_*.bin", ".*.maxid")
+DATASET_FILES = ("meta.json", "tokenizer.json", "train_*.bin", "val_*.bin", ".*.maxid", ".*.maxid.tmp*")
 
 
 def stdlib_sources() -> list[Path]:

@@ -223,7 +223,8 @@ def _parquet_docs(path: Path, field: str) -> Iterator[str | None]:
     try:
         table = pq.ParquetFile(path, page_checksum_verification=True)  # where the writer stored them
     except Exception as e:  # no footer: cut short, or not parquet at all
-        raise DataError(f"{path}: not a readable parquet file, truncated or corrupt ({type(e).__name__}: {e})") from None
+        raise DataError(f"{path}: not a readable parquet file, truncated or corrupt "
+                        f"({type(e).__name__}: {e})") from None
     if field not in table.schema_arrow.names:
         raise DataError(f"{path}: no {field!r} column (it has {', '.join(table.schema_arrow.names)}); "
                         "choose the text column with --text-field")

@@ -148,10 +148,16 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(r
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTPT_COLLECTIVE_TIMEOUT": "60"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    lost = [line for line in result.stderr.splitlines() if line.startswith("fastpt: error: rank 0: rank 1 (pid")]
-    assert len(lost) == 1 and "died" in lost[0], result.stderr[-4000:]
-    assert "Traceback" not in result.stderr.split("fastpt: error: rank 0")[0][-3000:]  # no survivor's traceback
-    assert result.stdout.count("resumed from") == 1 and f"resumed from {out / checkpoint_name(layout, 3)}" in result.stdout
+    if fault == "kill-at-step":  # the survivor's collective fails: one line naming the dead rank
+        said = [line for line in result.stderr.splitlines() if line.startswith("fastpt: error: rank 0: rank 1 (pid")]
+        assert len(said) == 1 and " died; a collective failed" in said[0], result.stderr[-4000:]
+    else:  # the survivor's half of the checkpoint fails: the previous one stands
+        said = [line for line in result.stderr.splitlines()
+                if line.startswith(f"fastpt: warning: could not write checkpoint {out / 'ckpt_00000006'}: ")]
+        assert len(said) == 1 and said[0].endswith("; ckpt_00000003 is intact"), result.stderr[-4000:]
+    assert "Traceback" not in result.stderr.split(said[0])[0]  # the first attempt ended without one
+    assert result.stdout.count("resumed from") == 1
+    assert f"resumed from {out / checkpoint_name(layout, 3)}" in result.stdout
     assert curve(out) == curve(runs[layout])  # exactly, step for step
     assert not list(out.glob(".ckpt_*"))  # the half-written checkpoint was cleared by the next save
 

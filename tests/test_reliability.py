@@ -653,3 +653,19 @@ def test_export_overwrite_never_deletes_a_users_file(reference, tmp_path, capsys
     (out / "notes.md").unlink()
     assert run_main(export.main, [str(reference), "--out", str(out), "--overwrite", "--dtype", "bf16"], capsys)[0] == 0
     assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.slow
+def test_the_soak_command_measures_and_resumes_exactly(tmp_path):
+    """`python -m bench soak`, shortened: it samples the trainer, finds metrics.jsonl whole at every
+    sample, and the run resumed from its second-newest checkpoint logs the same losses."""
+    result = subprocess.run([sys.executable, "-m", "bench", "soak", "--steps", "60", "--every", "20", "--warmup", "20",
+                             "--interval", "0.2", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "soak.json").read_text())
+    assert summary["steps"] == 60 and summary["samples"] > 5 and summary["metrics_partial_samples"] == 0
+    assert summary["resume"] == {"resumed_from": "ckpt_00000040.pt", "steps_redone": 20, "identical": True}
+    assert summary["open_fds"]["max"] < 64 and summary["rss_mib"]["max"] > 0
+    assert "per-step losses identical" in (tmp_path / "out" / "soak.md").read_text()
