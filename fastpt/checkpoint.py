@@ -19,11 +19,9 @@ earlier releases wrote (their NumPy RNG state was an array).
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import random
 import re
-import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -45,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fastpt.errors import CheckpointError, FastptError
-from fastpt.files import fsync_dir, write_atomic
+from fastpt.files import os_reason, publish, remove, write_atomic
 
 __all__ = ["Checkpointer", "ModelState", "OptimizerState", "RNGState", "Stateful", "apply", "checkpoints", "find",
            "latest", "load", "restore", "save", "step_of", "tokenizer_of"]
@@ -152,7 +150,7 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
         write_atomic(run_dir / "latest", lambda f: f.write(path.name.encode()))
     except (OSError, RuntimeError, CheckpointException) as e:  # torch.save reports a failed write as RuntimeError
         kept = f"{previous.name} is intact" if previous else "there is no earlier checkpoint"
-        raise CheckpointError(f"could not write checkpoint {path}: {io_reason(e)}; {kept}") from None
+        raise CheckpointError(f"could not write checkpoint {path}: {os_reason(e)}; {kept}") from None
     _clean(run_dir, keep)
     return path
 
@@ -165,25 +163,14 @@ def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
     if is_main:  # dcp.save returns on the coordinator once every rank has written
         rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS}
         write_atomic(tmp / STATE_FILE, lambda f: torch.save(rest, f))
-        shutil.rmtree(path, ignore_errors=True)  # the same step, from an attempt that was resumed
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        publish(tmp, path)  # over the same step from an attempt that was resumed, if any
 
 
 def _clean(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints, and temporaries of writers killed mid-save."""
-    for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
-    for stale in [*run_dir.glob(".ckpt_*.tmp*"), *run_dir.glob(".ckpt_*.partial"), *run_dir.glob(".latest.tmp*")]:
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
-
-
-def io_reason(e: BaseException) -> str:
-    """The OS's words for a failed write ('No space left on device'), also when torch wrapped them."""
-    os_error = e if isinstance(e, OSError) else e.__context__
-    if isinstance(os_error, OSError) and os_error.strerror:
-        return os_error.strerror
-    return str(e)
+    stale = [".ckpt_*.tmp*", ".ckpt_*.partial", ".ckpt_*.old", ".latest.tmp*"]
+    for path in [*checkpoints(run_dir)[:-keep], *(p for pattern in stale for p in run_dir.glob(pattern))]:
+        remove(path)
 
 
 def find(path: Path) -> Path:
