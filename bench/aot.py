@@ -33,7 +33,7 @@ H200_SMS = 132
 # Per-SM limits of compute capability 9.0 (CUDA programming guide, "Technical Specifications").
 REGISTERS_PER_SM, MAX_THREADS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 2048, 32
 SHARED_PER_SM, SHARED_PER_PROGRAM, SHARED_RESERVED = 228 * 1024, 227 * 1024, 1024
-OPS_MODULES = ("kernels.ops.cross_entropy", "kernels.ops.linear_cross_entropy", "kernels.ops.rms_norm")
+OPS_MODULES = ("fastpt.kernels.ops.cross_entropy", "fastpt.kernels.ops.linear_cross_entropy", "fastpt.kernels.ops.rms_norm")
 M = torch.device("meta")
 
 
@@ -148,7 +148,7 @@ def sm90(sms: int = H200_SMS):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from kernels.ops import _launch
+    from fastpt.kernels.ops import _launch
 
     seen: dict = {}
     patches = []
@@ -178,7 +178,7 @@ def sm90(sms: int = H200_SMS):
 
 
 def _rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
-    from kernels.ops import rms_norm
+    from fastpt.kernels.ops import rms_norm
 
     x, w = torch.empty(n, d, device=M, dtype=dtype), torch.empty(d, device=M, dtype=dtype)
     _, rstd = rms_norm.rms_norm_forward(x, w, 1e-6)
@@ -186,7 +186,7 @@ def _rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
 
 
 def _cross_entropy(n: int, v: int, with_grad: bool, z_loss: float, inplace: bool) -> None:
-    from kernels.ops import cross_entropy
+    from fastpt.kernels.ops import cross_entropy
 
     logits, target = torch.empty(n, v, device=M, dtype=torch.bfloat16), torch.empty(n, dtype=torch.long, device=M)
     _, _, lse = cross_entropy.cross_entropy_forward(logits, target, -100, z_loss)
@@ -196,7 +196,7 @@ def _cross_entropy(n: int, v: int, with_grad: bool, z_loss: float, inplace: bool
 
 
 def _linear_cross_entropy(n: int, d: int, v: int) -> None:
-    from kernels.ops import linear_cross_entropy
+    from fastpt.kernels.ops import linear_cross_entropy
 
     x, w = torch.empty(n, d, device=M, dtype=torch.bfloat16), torch.empty(v, d, device=M, dtype=torch.bfloat16)
     target = torch.empty(n, dtype=torch.long, device=M)

@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-import kernels
+from fastpt import kernels
 from bench.common import env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, sync, write_json
-from kernels import reference
+from fastpt.kernels import reference
 
 EPS = 1e-6
 # op -> (CUDA shape, CPU shape); linear_cross_entropy is (N, D, V), the others (N, D) / (N, V)

@@ -11,15 +11,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import kernels
+from fastpt import kernels
 from fastpt.attention import attend, document_mask
 from fastpt.config import ModelConfig
-
-if not getattr(kernels, "__fastpt_kernels__", False):
-    raise ImportError(
-        f"'import kernels' resolved to {getattr(kernels, '__file__', kernels)!r}, not fastpt's kernels "
-        "package; uninstall the other 'kernels' distribution or put fastpt first on sys.path"
-    )
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import kernels
+from fastpt import kernels
 from fastpt import checkpoint, distributed, float8
 from fastpt.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
 from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,

@@ -1,7 +1,7 @@
 """fastpt kernels: fused RMSNorm and (linear +) cross-entropy, with pure-PyTorch references.
 
-Knows nothing about fastpt. The import name is shared with an unrelated PyPI package,
-so fastpt checks ``kernels.__fastpt_kernels__`` after importing.
+Knows nothing about fastpt (its imports are relative): the folder kernels/ installs as
+``fastpt.kernels``, so the distribution owns no top-level name of another PyPI package's.
 
 Every op takes ``backend``: "auto" runs the Triton kernels on CUDA tensors and the reference on
 CPU tensors, unless TRITON_INTERPRET=1 is set, which runs the kernels on CPU through Triton's
@@ -12,9 +12,8 @@ import os
 
 import torch
 
-from kernels import functional, reference
+from . import functional, reference
 
-__fastpt_kernels__ = True
 __all__ = ["rms_norm", "cross_entropy", "linear_cross_entropy", "available"]
 
 BACKENDS = ("auto", "triton", "torch")

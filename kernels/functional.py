@@ -10,7 +10,7 @@ is first imported: triton.jit reads it when a function is decorated, triton.lang
 import torch
 from torch import Tensor
 
-from kernels.reference import reduce_rows
+from .reference import reduce_rows
 
 
 def _no_double_backward(op: str) -> None:
@@ -25,7 +25,7 @@ def _no_double_backward(op: str) -> None:
 
 @torch.library.custom_op("fastpt::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    from kernels.ops import rms_norm as ops
+    from .ops import rms_norm as ops
 
     return ops.rms_norm_forward(x, weight, eps)
 
@@ -39,7 +39,7 @@ def _(x, weight, eps):
 
 @torch.library.custom_op("fastpt::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    from kernels.ops import rms_norm as ops
+    from .ops import rms_norm as ops
 
     return ops.rms_norm_backward(dy, x, weight, rstd)
 
@@ -101,7 +101,7 @@ def _cross_entropy(
     logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, inplace_backward: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss rows, z-loss rows, log-sum-exp rows); inplace_backward only tells the backward where to write."""
-    from kernels.ops import cross_entropy as ops
+    from .ops import cross_entropy as ops
 
     return ops.cross_entropy_forward(logits, target, ignore_index, z_loss)
 
@@ -116,7 +116,7 @@ def _cross_entropy_backward(
     logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
 ) -> Tensor:
     """d(sum_i grad_rows[i] * loss_i)/dlogits, (N, V) contiguous."""
-    from kernels.ops import cross_entropy as ops
+    from .ops import cross_entropy as ops
 
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, grad)
@@ -133,7 +133,7 @@ def _cross_entropy_backward_(
     logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
 ) -> None:
     """As cross_entropy_backward, the gradient written over the logits."""
-    from kernels.ops import cross_entropy as ops
+    from .ops import cross_entropy as ops
 
     ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, logits)
 
@@ -199,7 +199,7 @@ def _linear_cross_entropy(
     1/n joins the upstream gradient in the backward, so fp16 never holds (p - onehot) / n. They are
     made in the forward unless reduction is "none" (then they depend on per-row upstream gradients)
     or with_grad is off (the backward recomputes them then); otherwise they come back empty."""
-    from kernels.ops import linear_cross_entropy as ops
+    from .ops import linear_cross_entropy as ops
 
     early = with_grad and reduction != "none"
     ones = torch.ones((), dtype=torch.float32, device=input.device)
@@ -231,7 +231,7 @@ def _linear_cross_entropy_backward(
     compute_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """(dinput, fp32 dweight) of sum_i grad_scale[i] * loss_i, grad_scale 0-dim or (N,)."""
-    from kernels.ops import linear_cross_entropy as ops
+    from .ops import linear_cross_entropy as ops
 
     with torch.autocast(input.device.type, enabled=False):
         _, _, dinput, dweight = ops.linear_cross_entropy_forward(

@@ -90,7 +90,7 @@ def test_weight_gradient_traffic_at_the_0_04b_shape():
 
 
 def test_sm_count_override_is_restored():
-    from kernels.ops import _launch
+    from fastpt.kernels.ops import _launch
 
     with aot.sm90(7):
         assert _launch.max_programs(torch.device("meta")) == 4 * 7

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import reference
+from fastpt import kernels
+from fastpt.kernels import reference
 
-OPS_MODULES = ("kernels.ops.cross_entropy", "kernels.ops.linear_cross_entropy", "kernels.ops.rms_norm")
+OPS_MODULES = ("fastpt.kernels.ops.cross_entropy", "fastpt.kernels.ops.linear_cross_entropy", "fastpt.kernels.ops.rms_norm")
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or kernels._interpret(), reason="needs CUDA, no interpreter")
 KERNELS = {
     "rms_norm": ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"),
@@ -48,7 +48,7 @@ def _interpret(monkeypatch) -> None:
     for name in OPS_MODULES:
         importlib.import_module(name)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    modules = [m for name, m in list(sys.modules.items()) if name.startswith(("triton.language", "kernels.ops"))]
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith(("triton.language", "fastpt.kernels.ops"))]
     for owner in [*filter(None, modules), tl.tensor]:  # tl.tensor holds x.sum() and friends
         for name, fn in list(vars(owner).items()):
             if isinstance(fn, JITFunction):
@@ -284,7 +284,7 @@ def test_fp32_accumulation_probe_checks_the_value(monkeypatch):
     """An addmm that accepts out_dtype=fp32 but sums in bf16 (no exception) is not trusted with
     the weight gradient, nor one that raises; one that keeps the fp32 sum is."""
     pytest.importorskip("triton")
-    from kernels.ops import linear_cross_entropy as ops
+    from fastpt.kernels.ops import linear_cross_entropy as ops
 
     def bf16_sum(acc, a, b, out_dtype=None, out=None):
         out.copy_((acc.bfloat16() + a @ b).float())

@@ -15,7 +15,7 @@ import functools
 import torch
 import triton
 
-from kernels.ops.cross_entropy import cross_entropy_forward
+from .cross_entropy import cross_entropy_forward
 
 CHUNK_BYTES = 256 * 2**20  # logits held at once; 4K rows of a 32K vocabulary in bf16
 ROW_ALIGN = 64  # elements: 128 bytes of bf16, a cache line

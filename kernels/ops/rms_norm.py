@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops._launch import max_programs, num_warps
+from ._launch import max_programs, num_warps
 
 MAX_COLS = 65536  # one row must fit in a program's registers
 # Values per program. The backward holds x, dy, w and the weight-gradient column per value: its
