@@ -1,11 +1,17 @@
 """python -m bench [train-step options] | python -m bench COMMAND [its options], COMMAND one of
-kernels (kernel table), aot (the sm_90 compile table), prepare (fastpt.prepare vs raw encode), soak (a long run watched for
-leaks), race (time to the seed recipe's loss per option)."""
+kernels (kernel table), aot (the sm_90 compile table), prepare (fastpt.prepare vs raw encode),
+soak (a long run watched for leaks), race (time to the seed recipe's loss per option)."""
+
 import importlib
 import sys
 
-COMMANDS = {"kernels": "bench.kernel_table", "aot": "bench.aot", "prepare": "bench.prepare_bench", "soak": "bench.soak",
-            "race": "bench.race"}
+COMMANDS = {
+    "kernels": "bench.kernel_table",
+    "aot": "bench.aot",
+    "prepare": "bench.prepare_bench",
+    "soak": "bench.soak",
+    "race": "bench.race",
+}
 
 
 def main() -> int:
@@ -13,6 +19,7 @@ def main() -> int:
     if argv[:1] and argv[0] in COMMANDS:
         return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     from bench.train_step import main as train_step_main
+
     return train_step_main(argv)
 
 

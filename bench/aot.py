@@ -11,6 +11,7 @@ and ptxas the cubin; nothing is launched. ptxas's own -v log gives registers and
 `cuobjdump -sass` the width of every global load and store. This proves what the compiler
 makes of the kernels (registers, spills, occupancy, vectorization), not how fast they run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,11 @@ H200_SMS = 132
 # Per-SM limits of compute capability 9.0 (CUDA programming guide, "Technical Specifications").
 REGISTERS_PER_SM, MAX_THREADS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 2048, 32
 SHARED_PER_SM, SHARED_PER_PROGRAM, SHARED_RESERVED = 228 * 1024, 227 * 1024, 1024
-OPS_MODULES = ("fastpt.kernels.ops.cross_entropy", "fastpt.kernels.ops.linear_cross_entropy", "fastpt.kernels.ops.rms_norm")
+OPS_MODULES = (
+    "fastpt.kernels.ops.cross_entropy",
+    "fastpt.kernels.ops.linear_cross_entropy",
+    "fastpt.kernels.ops.rms_norm",
+)
 M = torch.device("meta")
 
 
@@ -102,8 +107,9 @@ def _sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True, check=True
+        ).stdout
 
 
 def _inspect(kernel, grid: tuple, log: str, launches: int) -> Compiled:
@@ -113,10 +119,17 @@ def _inspect(kernel, grid: tuple, log: str, launches: int) -> Compiled:
     sass = _sass(kernel.asm["cubin"])
     constexprs = getattr(kernel.src, "constants", None) or getattr(kernel.src, "constexprs", {})
     return Compiled(
-        kernel=kernel.name, grid=tuple(grid), num_warps=kernel.metadata.num_warps,
+        kernel=kernel.name,
+        grid=tuple(grid),
+        num_warps=kernel.metadata.num_warps,
         constexprs={kernel.src.fn.arg_names[k[0] if isinstance(k, tuple) else k]: v for k, v in constexprs.items()},
-        registers=int(regs[3]), spill_stores=int(regs[1]), spill_loads=int(regs[2]), shared=kernel.metadata.shared,
-        global_loads=_widths(sass, "LDG"), global_stores=_widths(sass, "STG"), launches=launches,
+        registers=int(regs[3]),
+        spill_stores=int(regs[1]),
+        spill_loads=int(regs[2]),
+        shared=kernel.metadata.shared,
+        global_loads=_widths(sass, "LDG"),
+        global_stores=_widths(sass, "STG"),
+        launches=launches,
     )
 
 
@@ -135,6 +148,7 @@ class _Intercepted:
                 self.seen[id(kernel)][3] += 1
             else:
                 self.seen[id(kernel)] = [kernel, grid, log.getvalue(), 1]
+
         return launch
 
 
@@ -211,14 +225,22 @@ def cases() -> dict[str, tuple[Callable[[], None], bool]]:
         for dtype in (torch.bfloat16, torch.float32):
             out[f"rms_norm {n}x{d} {str(dtype)[6:]}"] = (lambda n=n, d=d, dt=dtype: _rms_norm(n, d, dt), True)
     for n, v in ((32768, 32000), (16384, 50257), (32768, 128256)):
-        for grad, z, inplace, what in ((False, 0.0, False, "loss"), (True, 0.0, False, "+grad"),
-                                       (True, 1e-4, False, "+grad z-loss"), (True, 0.0, True, "+grad in place")):
+        for grad, z, inplace, what in (
+            (False, 0.0, False, "loss"),
+            (True, 0.0, False, "+grad"),
+            (True, 1e-4, False, "+grad z-loss"),
+            (True, 0.0, True, "+grad in place"),
+        ):
             out[f"cross_entropy {n}x{v} bf16 {what}"] = (
-                lambda n=n, v=v, g=grad, z=z, i=inplace: _cross_entropy(n, v, g, z, i), v % 8 == 0)
+                lambda n=n, v=v, g=grad, z=z, i=inplace: _cross_entropy(n, v, g, z, i),
+                v % 8 == 0,
+            )
     for d in (512, 2048):
         for v in (32000, 50257):
             out[f"linear_cross_entropy 32768x{d}->{v} bf16"] = (
-                lambda d=d, v=v: _linear_cross_entropy(32768, d, v), True)
+                lambda d=d, v=v: _linear_cross_entropy(32768, d, v),
+                True,
+            )
     return out
 
 
@@ -233,20 +255,45 @@ def _fmt_widths(c: collections.Counter) -> str:
 
 
 def table(results: dict[str, list[Compiled]]) -> str:
-    header = ["case", "kernel", "launches", "grid (first)", "warps", "constexprs", "regs", "spill st/ld B", "smem B",
-              "programs/SM", "global loads", "global stores"]
+    header = [
+        "case",
+        "kernel",
+        "launches",
+        "grid (first)",
+        "warps",
+        "constexprs",
+        "regs",
+        "spill st/ld B",
+        "smem B",
+        "programs/SM",
+        "global loads",
+        "global stores",
+    ]
     rows = []
     for name, compiled in results.items():
         for c in compiled:
-            rows.append([name, c.kernel.removeprefix("_"), str(c.launches), "x".join(map(str, c.grid)),
-                         str(c.num_warps),
-                         " ".join(f"{k}={v}" for k, v in c.constexprs.items()), str(c.registers),
-                         f"{c.spill_stores}/{c.spill_loads}", str(c.shared), str(c.programs_per_sm),
-                         _fmt_widths(c.global_loads), _fmt_widths(c.global_stores)])
+            rows.append(
+                [
+                    name,
+                    c.kernel.removeprefix("_"),
+                    str(c.launches),
+                    "x".join(map(str, c.grid)),
+                    str(c.num_warps),
+                    " ".join(f"{k}={v}" for k, v in c.constexprs.items()),
+                    str(c.registers),
+                    f"{c.spill_stores}/{c.spill_loads}",
+                    str(c.shared),
+                    str(c.programs_per_sm),
+                    _fmt_widths(c.global_loads),
+                    _fmt_widths(c.global_stores),
+                ]
+            )
     import triton
 
-    head = (f"sm_90 AOT compile (compiled on this machine, nothing run) · triton {triton.__version__} · "
-            f"torch {torch.__version__} · commit {git_commit()}")
+    head = (
+        f"sm_90 AOT compile (compiled on this machine, nothing run) · triton {triton.__version__} · "
+        f"torch {torch.__version__} · commit {git_commit()}"
+    )
     return f"{head}\n\n{markdown_table(header, rows)}"
 
 

@@ -4,6 +4,7 @@ would write it from the seed, in plain nanoGPT-style PyTorch. No fastpt code on 
 The bench runs it with torch.compile, fused AdamW, bf16 autocast on GPU and F.cross_entropy
 on the materialized (B*T, V) logits.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, hd).transpose(1, 2)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -130,8 +130,10 @@ class GPT(nn.Module):
     def configure_optimizers(self, weight_decay: float, lr: float, betas: tuple[float, float]):
         """nanoGPT's recipe: decay the >= 2-D tensors only; fused AdamW."""
         params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
 
     @torch.no_grad()

@@ -1,4 +1,5 @@
 """pytest-benchmark: forward + backward of each kernel provider (small fp32 on CPU, bf16 on GPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,14 +9,16 @@ from bench.common import cpu_threads, sync
 from bench.kernel_table import SHAPES, extra_gib, fwd_bwd, grads, make_inputs, max_rel_err, oracle, providers
 from bench.suite import median_s, needs_cuda, record
 
-PEERS = {"rms_norm": ["F.rms_norm", "liger"], "cross_entropy": ["liger"],
-         "linear_cross_entropy": ["liger", "F.linear_cross_entropy"]}
+PEERS = {
+    "rms_norm": ["F.rms_norm", "liger"],
+    "cross_entropy": ["liger"],
+    "linear_cross_entropy": ["liger", "F.linear_cross_entropy"],
+}
 VARIANTS = {"cross_entropy": ["fastpt-inplace"]}  # fastpt's own options, as kernel_table.providers names them
 GPU_CASES = [(op, p) for op in SHAPES for p in ["torch", "torch.compile", "fastpt", *VARIANTS.get(op, []), *PEERS[op]]]
 
 
-def bench_kernel(benchmark, op: str, provider: str, device: torch.device, dtype: torch.dtype,
-                 rounds: int) -> dict:
+def bench_kernel(benchmark, op: str, provider: str, device: torch.device, dtype: torch.dtype, rounds: int) -> dict:
     """Times forward + backward of one provider and records it; returns what it recorded."""
     available = providers(op, device)
     if provider not in available:
@@ -32,9 +35,15 @@ def bench_kernel(benchmark, op: str, provider: str, device: torch.device, dtype:
     median = median_s(benchmark)
     fresh = make_inputs(op, shape, device, dtype)  # the timed ones may hold gradients written over them
     want = oracle(op, make_inputs(op, shape, device, dtype), dtype)
-    info = {"op": op, "provider": provider, "shape": list(shape), "dtype": str(dtype),
-            "ms": 1e3 * median if median else None, "extra_gib": extra_gib(call, device),
-            "rel_err": max_rel_err(grads(fwd_bwd(fn, fresh), fresh), want)}
+    info = {
+        "op": op,
+        "provider": provider,
+        "shape": list(shape),
+        "dtype": str(dtype),
+        "ms": 1e3 * median if median else None,
+        "extra_gib": extra_gib(call, device),
+        "rel_err": max_rel_err(grads(fwd_bwd(fn, fresh), fresh), want),
+    }
     record(benchmark, device, **info)
     return info
 

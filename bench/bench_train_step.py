@@ -2,6 +2,7 @@
 
 The warm-up rounds absorb torch.compile; each round ends in a device sync.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -35,19 +36,34 @@ def run_rounds(benchmark, setup: Setup, mode_name: str, rounds: int, device: tor
     run.loader.close()
     median = median_s(benchmark)
     peak = peak_mem_gib(device)
-    record(benchmark, device, mode=mode_name, preset=setup.preset, dtype=setup.dtype,
-           shape=[setup.micro_batch, setup.seq_len, setup.grad_accum], loss=loss.item(),
-           tok_s=run.tokens_per_step / median if median else None,
-           # CPU: the whole pytest process's peak RSS (ru_maxrss never goes down)
-           peak_mem_gib=peak)
+    record(
+        benchmark,
+        device,
+        mode=mode_name,
+        preset=setup.preset,
+        dtype=setup.dtype,
+        shape=[setup.micro_batch, setup.seq_len, setup.grad_accum],
+        loss=loss.item(),
+        tok_s=run.tokens_per_step / median if median else None,
+        # CPU: the whole pytest process's peak RSS (ru_maxrss never goes down)
+        peak_mem_gib=peak,
+    )
     assert torch.isfinite(loss)
 
 
 def setup_for(preset: str, device: str, dtype: str, data) -> Setup:
     micro_batch, grad_accum = BATCH[preset]
     # one CPU thread: steadier on a shared machine, and the same as the CI table
-    return Setup(preset, device, micro_batch, grad_accum, PRESETS[preset].max_seq_len, dtype, str(data),
-                 threads=1 if device == "cpu" else 0)
+    return Setup(
+        preset,
+        device,
+        micro_batch,
+        grad_accum,
+        PRESETS[preset].max_seq_len,
+        dtype,
+        str(data),
+        threads=1 if device == "cpu" else 0,
+    )
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

@@ -1,4 +1,5 @@
 """What every benchmark records and prints: environment, device sync, memory, markdown."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True,
-                          timeout=10).stdout.strip()
+    return subprocess.run(
+        ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=10
+    ).stdout.strip()
 
 
 def git_commit() -> str:
@@ -43,9 +45,14 @@ def versions() -> dict:
 
 def env_info(device: torch.device) -> dict:
     """Device, versions, commit and date: every stored figure carries these."""
-    return {"device": device.type, "device_name": device_name(device), **versions(),
-            "cpu_threads": torch.get_num_threads(), "commit": git_commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "device": device.type,
+        "device_name": device_name(device),
+        **versions(),
+        "cpu_threads": torch.get_num_threads(),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -75,14 +82,18 @@ def rss_gib() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
+def _matmul_ms(device: torch.device, n: int) -> float:
+    from triton.testing import do_bench
+
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+
+
 def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
     """A bf16 n x n x n matmul's TFLOP/s measured now: the ceiling MFU is also quoted against."""
     if device.type != "cuda":
         return None
-    from triton.testing import do_bench
-    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
-    del a, b
+    ms = _matmul_ms(device, n)
     torch.cuda.empty_cache()  # the benchmarked modes run in child processes: leave them the memory
     return 2 * n**3 / (ms * 1e-3) / 1e12
 

@@ -1,4 +1,5 @@
 """The corpus the pytest-benchmark suites share."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,4 +11,5 @@ import pytest
 def bench_data(tmp_path_factory) -> Path:
     """The same corpus `python -m bench` uses by default: this repo's .py files as bytes."""
     from bench.train_step import prepare_data
+
     return prepare_data("repo", tmp_path_factory.mktemp("bench"), 0)[0]

@@ -11,20 +11,21 @@ the op must move over the copy bandwidth measured at the start of the run, or it
 over a matmul measured then, whichever is longer, and the provider's time as a % of it.
 Liger and torch's chunked F.linear_cross_entropy join when importable / present.
 """
+
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from fastpt import kernels
 from bench.common import env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, sync, write_json
+from fastpt import kernels
 from fastpt.kernels import reference
 
 EPS = 1e-6
@@ -48,7 +49,11 @@ def make_inputs(op: str, shape: tuple, device: torch.device, dtype: torch.dtype,
         n, v = shape[0], shape[-1]
         target = torch.randint(0, v, (n,), generator=g, device=device)
         target[torch.rand(n, generator=g, device=device) < IGNORED] = -100
-        args = [2 * randn(n, v), target] if op == "cross_entropy" else [randn(n, shape[1]), 0.02 * randn(v, shape[1]), target]
+        args = (
+            [2 * randn(n, v), target]
+            if op == "cross_entropy"
+            else [randn(n, shape[1]), 0.02 * randn(v, shape[1]), target]
+        )
     return [a.to(dtype).requires_grad_() if a.is_floating_point() else a for a in args]
 
 
@@ -87,8 +92,9 @@ def providers(op: str, device: torch.device) -> dict[str, Callable]:
         out["fastpt-inplace"] = lambda logits, t: fastpt_op(logits, t, inplace_backward=True, backend=backend)
     if op == "linear_cross_entropy" and hasattr(torch.nn, "LinearCrossEntropyOptions"):
         options = torch.nn.LinearCrossEntropyOptions()  # opts in to torch's chunked path
-        out["F.linear_cross_entropy"] = lambda x, w, t: F.linear_cross_entropy(x, w, t, ignore_index=-100,
-                                                                               options=options)
+        out["F.linear_cross_entropy"] = lambda x, w, t: F.linear_cross_entropy(
+            x, w, t, ignore_index=-100, options=options
+        )
     return {**out, **liger_providers(op)}
 
 
@@ -114,14 +120,17 @@ def oracle(op: str, args: list, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     """Worst over output and gradients of max |got - want| / max |want|."""
-    return max(((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
-               for g, w in zip(got, want))
+    return max(
+        ((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
+        for g, w in zip(got, want)
+    )
 
 
 def time_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Median milliseconds per call (do_bench on CUDA, a wall clock on CPU)."""
     if device.type == "cuda":
         from triton.testing import do_bench
+
         return do_bench(fn, return_mode="median")
     fn()
     times: list[float] = []
@@ -180,8 +189,9 @@ def floor_ms(op: str, shape: tuple, dtype: torch.dtype, ceilings: dict) -> float
     return 1e3 * max(nbytes / (ceilings["copy_gbps"] * 1e9), flops / (ceilings["matmul_gflops"] * 1e9))
 
 
-def bench_op(op: str, device: torch.device, dtype: torch.dtype, names: list[str] | None = None,
-             ceilings: dict | None = None) -> list[dict]:
+def bench_op(
+    op: str, device: torch.device, dtype: torch.dtype, names: list[str] | None = None, ceilings: dict | None = None
+) -> list[dict]:
     """One row per provider of `op`; a provider that raises gets a row with its error instead."""
     shape = SHAPES[op][device.type != "cuda"]
     want = oracle(op, make_inputs(op, shape, device, dtype), dtype)
@@ -214,27 +224,50 @@ def _floor(row: dict) -> list[str]:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
-    head = (f"kernels, forward + backward · {env['device_name']} · torch {env['torch']} · triton {env['triton']} "
-            f"· liger {env['liger_kernel'] or 'not installed'} · commit {env['commit']}")
+    head = (
+        f"kernels, forward + backward · {env['device_name']} · torch {env['torch']} · triton {env['triton']} "
+        f"· liger {env['liger_kernel'] or 'not installed'} · commit {env['commit']}"
+    )
     if env.get("copy_gbps"):
         head += f" · copy {env['copy_gbps']:.0f} GB/s, matmul {env['matmul_gflops'] / 1e3:.3g} TFLOP/s measured now"
     note = kernel_rows_note(torch.device(env["device"]), "fastpt rows")
     if note:
         head += f"\n\n{note[0].upper()}{note[1:]}."
-    header = ["op", "shape", "dtype", "provider", "ms", "floor ms", "% of floor", "vs torch", "vs torch.compile",
-              "extra GiB", "max rel err"]
+    header = [
+        "op",
+        "shape",
+        "dtype",
+        "provider",
+        "ms",
+        "floor ms",
+        "% of floor",
+        "vs torch",
+        "vs torch.compile",
+        "extra GiB",
+        "max rel err",
+    ]
     table = []
     for r in rows:
         first = [r["op"], " x ".join(map(str, r["shape"])), r["dtype"], r["provider"]]
         if "error" in r:
             table.append(first + [f"error: {r['error']}"] + [""] * (len(header) - len(first) - 1))
         else:
-            table.append(first + [f"{r['ms']:.3f}", *_floor(r), speedup(r, rows, "torch"),
-                                  speedup(r, rows, "torch.compile"),
-                                  fmt(r["extra_gib"], ".3f"), f"{r['rel_err']:.1e}"])
-    legend = ("speedups are the provider's ms over the torch / torch.compile ms of the same op (higher is faster); "
-              "floor ms = max(bytes the op must move / copy bandwidth, matmul FLOPs / matmul speed), "
-              "% of floor = floor ms / ms (100% = at the floor)")
+            table.append(
+                first
+                + [
+                    f"{r['ms']:.3f}",
+                    *_floor(r),
+                    speedup(r, rows, "torch"),
+                    speedup(r, rows, "torch.compile"),
+                    fmt(r["extra_gib"], ".3f"),
+                    f"{r['rel_err']:.1e}",
+                ]
+            )
+    legend = (
+        "speedups are the provider's ms over the torch / torch.compile ms of the same op (higher is faster); "
+        "floor ms = max(bytes the op must move / copy bandwidth, matmul FLOPs / matmul speed), "
+        "% of floor = floor ms / ms (100% = at the floor)"
+    )
     return f"{head}\n\n{markdown_table(header, table)}\n\n{legend}."
 
 

@@ -7,6 +7,7 @@ until it holds --size-gb of text. fastpt.prepare runs as the user runs it, a sep
 whose memory (the sum over it and its workers) is sampled while it runs; the raw figure is
 `encode_batch` in this process on the same ~1 MB batches, with the tokenizer's own threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,21 @@ def tree_rss(pid: int) -> int:
 
 def run_prepare(corpus: Path, out: Path, tokenizer: str, workers: int, vocab_size: int) -> dict:
     """fastpt.prepare as a user runs it; its meta.json plus wall time and sampled peak memory."""
-    cmd = [sys.executable, "-m", "fastpt.prepare", str(corpus), "--out", str(out), "--overwrite",
-           "--tokenizer", tokenizer, "--workers", str(workers), "--vocab-size", str(vocab_size)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastpt.prepare",
+        str(corpus),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--tokenizer",
+        tokenizer,
+        "--workers",
+        str(workers),
+        "--vocab-size",
+        str(vocab_size),
+    ]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO)
@@ -128,33 +142,61 @@ def main(argv: list[str] | None = None) -> int:
     mb = text_bytes / 2**20
     tok_s = prep["seconds"]["tokenize"]
     rows = {
-        "raw encode_batch": {"mb_s": raw["text_bytes"] / 2**20 / raw["seconds"],
-                             "tok_s": raw["tokens"] / raw["seconds"], "seconds": raw["seconds"]},
-        f"fastpt.prepare --workers {args.workers} (tokenizing)": {"mb_s": mb / tok_s, "tok_s": tokens / tok_s,
-                                                                    "seconds": tok_s},
-        f"fastpt.prepare --workers {args.workers} (end to end)": {"mb_s": mb / prep["wall_s"],
-                                                                    "tok_s": tokens / prep["wall_s"],
-                                                                    "seconds": prep["wall_s"]},
+        "raw encode_batch": {
+            "mb_s": raw["text_bytes"] / 2**20 / raw["seconds"],
+            "tok_s": raw["tokens"] / raw["seconds"],
+            "seconds": raw["seconds"],
+        },
+        f"fastpt.prepare --workers {args.workers} (tokenizing)": {
+            "mb_s": mb / tok_s,
+            "tok_s": tokens / tok_s,
+            "seconds": tok_s,
+        },
+        f"fastpt.prepare --workers {args.workers} (end to end)": {
+            "mb_s": mb / prep["wall_s"],
+            "tok_s": tokens / prep["wall_s"],
+            "seconds": prep["wall_s"],
+        },
     }
     for row in rows.values():
         row["vs_raw"] = row["mb_s"] / rows["raw encode_batch"]["mb_s"]
     result = {
-        "corpus_gb": text_bytes / 2**30, "documents": prep["documents"], "tokens": tokens,
-        "tokenizer": args.tokenizer, "vocab_size": prep["vocab_size"], "workers": args.workers,
-        "tokenizer_build_s": prep["seconds"]["tokenizer"], "peak_rss_gib": prep["peak_rss_gib"],
-        "rows": rows, "cpus": os.cpu_count(), "loadavg": {"before": load_before, "between": load_between,
-                                                          "after": load()},
-        "python": platform.python_version(), "tokenizers": __import__("tokenizers").__version__,
-        "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "corpus_gb": text_bytes / 2**30,
+        "documents": prep["documents"],
+        "tokens": tokens,
+        "tokenizer": args.tokenizer,
+        "vocab_size": prep["vocab_size"],
+        "workers": args.workers,
+        "tokenizer_build_s": prep["seconds"]["tokenizer"],
+        "peak_rss_gib": prep["peak_rss_gib"],
+        "rows": rows,
+        "cpus": os.cpu_count(),
+        "loadavg": {"before": load_before, "between": load_between, "after": load()},
+        "python": platform.python_version(),
+        "tokenizers": __import__("tokenizers").__version__,
+        "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     table = markdown_table(
         ["", "MB/s", "tokens/s", "seconds", "vs raw", "peak RSS (GiB, all processes)"],
-        [[name, f"{r['mb_s']:.2f}", f"{r['tok_s']:,.0f}", f"{r['seconds']:.0f}", f"{r['vs_raw']:.2f}x",
-          f"{prep['peak_rss_gib']:.2f}" if "prepare" in name else "–"] for name, r in rows.items()])
-    summary = (f"{text_bytes / 2**30:.2f} GiB of text, {prep['documents']:,} documents, {tokens:,} tokens; "
-               f"tokenizer {args.tokenizer} (vocab {prep['vocab_size']}, built in "
-               f"{prep['seconds']['tokenizer']:.0f} s from the first {TOKENIZER_SAMPLE_MB} MB); "
-               f"{os.cpu_count()} CPUs, load average {load_before} / {load()}; commit {result['commit']}")
+        [
+            [
+                name,
+                f"{r['mb_s']:.2f}",
+                f"{r['tok_s']:,.0f}",
+                f"{r['seconds']:.0f}",
+                f"{r['vs_raw']:.2f}x",
+                f"{prep['peak_rss_gib']:.2f}" if "prepare" in name else "–",
+            ]
+            for name, r in rows.items()
+        ],
+    )
+    summary = (
+        f"{text_bytes / 2**30:.2f} GiB of text, {prep['documents']:,} documents, {tokens:,} tokens; "
+        f"tokenizer {args.tokenizer} (vocab {prep['vocab_size']}, built in "
+        f"{prep['seconds']['tokenizer']:.0f} s from the first {TOKENIZER_SAMPLE_MB} MB); "
+        f"{os.cpu_count()} CPUs, load average {load_before} / {load()}; commit {result['commit']}"
+    )
     print(f"\n{table}\n\n{summary}")
     if args.save:
         write_json(Path(args.save) / "prepare.json", result)

@@ -11,6 +11,7 @@ compressed), the direct test of "the seed's loss in fewer tokens". Tokens and ti
 are read at evals (every --eval-every steps), so their resolution is that interval; the time is the
 trainer's training time (metrics.jsonl's tok_s windows), evals and checkpoints left out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,23 +36,58 @@ RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to t
 
 def seed_flags(args: argparse.Namespace, data: Path) -> list[str]:
     """What every run shares: the data, model, batch, schedule length and eval cadence."""
-    flags = ["--data", str(data), "--preset", args.preset, "--seq-len", str(args.seq_len),
-             "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum), "--lr", str(args.lr),
-             "--warmup-steps", str(args.warmup_steps), "--eval-every", str(args.eval_every),
-             "--log-every", str(args.eval_every), "--eval-tokens", str(args.eval_tokens),
-             "--ckpt-every", str(10**9), "--seed", str(args.seed)]
+    flags = [
+        "--data",
+        str(data),
+        "--preset",
+        args.preset,
+        "--seq-len",
+        str(args.seq_len),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--grad-accum",
+        str(args.grad_accum),
+        "--lr",
+        str(args.lr),
+        "--warmup-steps",
+        str(args.warmup_steps),
+        "--eval-every",
+        str(args.eval_every),
+        "--log-every",
+        str(args.eval_every),
+        "--eval-tokens",
+        str(args.eval_tokens),
+        "--ckpt-every",
+        str(10**9),
+        "--seed",
+        str(args.seed),
+    ]
     return flags + (["--device", args.device] if args.device else []) + shlex.split(args.train_args)
 
 
-def run_recipe(name: str, flags: list[str], steps: int, args: argparse.Namespace, data: Path,
-               cadence: tuple[str, ...] = ()) -> dict:
+def run_recipe(
+    name: str, flags: list[str], steps: int, args: argparse.Namespace, data: Path, cadence: tuple[str, ...] = ()
+) -> dict:
     """One run from scratch in WORK/name; its curve, or the error that stopped it. `cadence`: flags
     after the recipe's (log / eval intervals of a speed run)."""
     out = Path(args.work) / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run, not a resumed one
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    cmd = ["nice", "-n", str(args.nice), sys.executable, "-m", "fastpt.train", *seed_flags(args, data),
-           "--max-steps", str(steps), "--out", str(out), *flags, *cadence]
+    cmd = [
+        "nice",
+        "-n",
+        str(args.nice),
+        sys.executable,
+        "-m",
+        "fastpt.train",
+        *seed_flags(args, data),
+        "--max-steps",
+        str(steps),
+        "--out",
+        str(out),
+        *flags,
+        *cadence,
+    ]
     print(f"race: {name}: {' '.join(flags) or '(the seed recipe)'} for {steps} steps", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
@@ -70,10 +106,21 @@ def curve(metrics: Path) -> dict:
             per_step = record["tokens"] // record["step"]
             tokens = record["tokens"]
         elif "val_loss" in record:  # logged after the window of the same step
-            evals.append({"step": record["step"], "tokens": record["step"] * per_step, "seconds": seconds,
-                          "val_loss": record["val_loss"]})
-    return {"evals": evals, "final_val_loss": evals[-1]["val_loss"], "tokens": tokens, "train_s": seconds,
-            "tok_s": tokens / seconds}
+            evals.append(
+                {
+                    "step": record["step"],
+                    "tokens": record["step"] * per_step,
+                    "seconds": seconds,
+                    "val_loss": record["val_loss"],
+                }
+            )
+    return {
+        "evals": evals,
+        "final_val_loss": evals[-1]["val_loss"],
+        "tokens": tokens,
+        "train_s": seconds,
+        "tok_s": tokens / seconds,
+    }
 
 
 def windows(metrics: Path) -> list[tuple[int, float]]:
@@ -99,18 +146,29 @@ def speed(chosen: dict[str, list[str]], args: argparse.Namespace, data: Path) ->
             if "error" not in row:
                 steady = row["windows"][1:]
                 runs[name].append(sum(t for t, _ in steady) / sum(s for _, s in steady))
-    rows = [{"recipe": name, "flags": chosen[name], "tok_s_runs": v, "tok_s": max(v, default=None)}
-            for name, v in runs.items()]
+    rows = [
+        {"recipe": name, "flags": chosen[name], "tok_s_runs": v, "tok_s": max(v, default=None)}
+        for name, v in runs.items()
+    ]
     for row in rows:
         row["tok_s_vs_seed"] = row["tok_s"] and rows[0]["tok_s"] and row["tok_s"] / rows[0]["tok_s"]
     return rows
 
 
 def speed_table(rows: list[dict]) -> str:
-    return markdown_table(["recipe", "flags", "train tok/s (best round)", "vs seed", "each round"], [
-        [r["recipe"], f"`{' '.join(r['flags'])}`" if r["flags"] else "", fmt(r["tok_s"], ",.0f"),
-         fmt(r["tok_s_vs_seed"], ".2f") + ("x" if r["tok_s_vs_seed"] else ""),
-         ", ".join(f"{v:,.0f}" for v in r["tok_s_runs"]) or "failed"] for r in rows])
+    return markdown_table(
+        ["recipe", "flags", "train tok/s (best round)", "vs seed", "each round"],
+        [
+            [
+                r["recipe"],
+                f"`{' '.join(r['flags'])}`" if r["flags"] else "",
+                fmt(r["tok_s"], ",.0f"),
+                fmt(r["tok_s_vs_seed"], ".2f") + ("x" if r["tok_s_vs_seed"] else ""),
+                ", ".join(f"{v:,.0f}" for v in r["tok_s_runs"]) or "failed",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def reach(row: dict, target: float) -> dict | None:
@@ -143,33 +201,62 @@ def table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["recipe"], f"`{' '.join(r['flags'])}`", f"{r['steps']:,}", "failed: " + r["error"],
-                         "", "", ""])
+            body.append(
+                [r["recipe"], f"`{' '.join(r['flags'])}`", f"{r['steps']:,}", "failed: " + r["error"], "", "", ""]
+            )
             continue
         reached = r["tokens_to_target"] is not None
-        body.append([r["recipe"], f"`{' '.join(r['flags'])}`" if r["flags"] else "", f"{r['steps']:,}",
-                     f"{r['final_val_loss']:.4f}",
-                     f"{r['tokens_to_target']:,} ({r['tokens_vs_seed']:.2f}x)" if reached else "not reached",
-                     f"{r['seconds_to_target']:.0f} s ({r['seconds_vs_seed']:.2f}x)" if reached else "–",
-                     f"{r['tok_s']:,.0f} ({r['tok_s_vs_seed']:.2f}x)"])
-    header = ["recipe", "flags", "steps", "final val loss", "tokens to the seed's final loss",
-              "train time to it", "train tok/s"]
+        body.append(
+            [
+                r["recipe"],
+                f"`{' '.join(r['flags'])}`" if r["flags"] else "",
+                f"{r['steps']:,}",
+                f"{r['final_val_loss']:.4f}",
+                f"{r['tokens_to_target']:,} ({r['tokens_vs_seed']:.2f}x)" if reached else "not reached",
+                f"{r['seconds_to_target']:.0f} s ({r['seconds_vs_seed']:.2f}x)" if reached else "–",
+                f"{r['tok_s']:,.0f} ({r['tok_s_vs_seed']:.2f}x)",
+            ]
+        )
+    header = [
+        "recipe",
+        "flags",
+        "steps",
+        "final val loss",
+        "tokens to the seed's final loss",
+        "train time to it",
+        "train tok/s",
+    ]
     return markdown_table(header, body)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench race", description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="", help="prepared data folder (default: fastpt's default corpus, BPE 4096)")
-    ap.add_argument("--recipes", default=",".join(RECIPES), help="RECIPES to run, the seed first "
-                                                                "(default: %(default)s)")
-    ap.add_argument("--recipe", action="append", default=[], metavar='NAME="FLAGS"',
-                    help="one more option, e.g. --recipe 'bos=--packing bos' (repeatable)")
-    ap.add_argument("--steps", type=int, default=400, help="optimizer steps per run; 0 = only the speed runs "
-                                                           "(default: %(default)s)")
-    ap.add_argument("--short", type=float, default=0.6, help="also run the best combination for this fraction "
-                                                             "of the steps; 0 = not (default: %(default)s)")
-    ap.add_argument("--speed-rounds", type=int, default=0, help="first measure each recipe's tok/s in this many "
-                                                                "interleaved rounds (default: %(default)s)")
+    ap.add_argument(
+        "--recipes", default=",".join(RECIPES), help="RECIPES to run, the seed first (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar='NAME="FLAGS"',
+        help="one more option, e.g. --recipe 'bos=--packing bos' (repeatable)",
+    )
+    ap.add_argument(
+        "--steps", type=int, default=400, help="optimizer steps per run; 0 = only the speed runs (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--short",
+        type=float,
+        default=0.6,
+        help="also run the best combination for this fraction of the steps; 0 = not (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--speed-rounds",
+        type=int,
+        default=0,
+        help="first measure each recipe's tok/s in this many interleaved rounds (default: %(default)s)",
+    )
     ap.add_argument("--speed-steps", type=int, default=30, help="steps per speed run (default: %(default)s)")
     ap.add_argument("--preset", default="tiny", help="(default: %(default)s)")
     ap.add_argument("--seq-len", type=int, default=256, help="(default: %(default)s)")
@@ -181,8 +268,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-tokens", type=int, default=16384, help="(default: %(default)s)")
     ap.add_argument("--seed", type=int, default=1337, help="(default: %(default)s)")
     ap.add_argument("--device", default="", help="fastpt.train --device ('' = its default)")
-    ap.add_argument("--train-args", default="", help="more fastpt.train flags for every run, "
-                                                     "e.g. --train-args=--compile")
+    ap.add_argument(
+        "--train-args", default="", help="more fastpt.train flags for every run, e.g. --train-args=--compile"
+    )
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (default: %(default)s)")
     ap.add_argument("--nice", type=int, default=10, help="niceness of each run (default: %(default)s)")
     ap.add_argument("--work", default="/tmp/fastpt-race", help="the runs' folders (default: %(default)s)")
@@ -218,16 +306,27 @@ def main(argv: list[str] | None = None) -> int:
         data = Path(args.data)
     else:
         from fastpt.prepare import default_corpus
+
         data = default_corpus(4096)
-    info = {"args": vars(args), "data": str(data), **versions(), "commit": git_commit(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    info = {
+        "args": vars(args),
+        "data": str(data),
+        **versions(),
+        "commit": git_commit(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     if args.speed_rounds:
         load_before = os.getloadavg()
         speeds = speed(chosen, args, data)
         md = speed_table(speeds)
         print(md)
-        save(args.save, "speed", {"rows": speeds, **info, "loadavg": {"before": load_before, "after": os.getloadavg()}},
-             md)
+        save(
+            args.save,
+            "speed",
+            {"rows": speeds, **info, "loadavg": {"before": load_before, "after": os.getloadavg()}},
+            md,
+        )
     if not args.steps:
         return 0
     load_before = os.getloadavg()
@@ -245,9 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {"rows": rows, "best_flags": best, **info, "loadavg": {"before": load_before, "after": os.getloadavg()}}
     md = table(rows)
     print(md)
-    print(f"target: the seed's final val loss {rows[0]['final_val_loss']:.4f}; best combination: "
-          f"{' '.join(best) or 'none (no option beat the seed)'}; load {fmt(load_before[0], '.1f')} before, "
-          f"{fmt(result['loadavg']['after'][0], '.1f')} after")
+    print(
+        f"target: the seed's final val loss {rows[0]['final_val_loss']:.4f}; best combination: "
+        f"{' '.join(best) or 'none (no option beat the seed)'}; load {fmt(load_before[0], '.1f')} before, "
+        f"{fmt(result['loadavg']['after'][0], '.1f')} after"
+    )
     save(args.save, "race", result, md)
     return 0
 

@@ -6,6 +6,7 @@ metrics.jsonl only ever ends at a whole record. Afterwards the newest checkpoint
 and the run resumed from the one before: its per-step losses must equal the long run's exactly.
 Growth is measured from the end of warm-up (the first `--warmup` steps) to the end of the run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,15 +46,45 @@ class Watcher:
             records = [json.loads(line) for line in new.splitlines()]
             self.steps += sum("loss" in r for r in records)
             self.offset += len(new)
-        self.samples.append({"t": time.monotonic(), "rss_mib": rss_kib / 1024, "fds": fds, "whole": whole,
-                             "steps": self.steps})
+        self.samples.append(
+            {"t": time.monotonic(), "rss_mib": rss_kib / 1024, "fds": fds, "whole": whole, "steps": self.steps}
+        )
 
 
 def train_args(data: Path, run: Path, steps: int, every: int) -> list[str]:
-    return [sys.executable, "-m", "fastpt.train", "--device", "cpu", "--preset", "tiny", "--dtype", "fp32",
-            "--data", str(data), "--out", str(run), "--seq-len", "64", "--micro-batch", "8",
-            "--max-steps", str(steps), "--warmup-steps", str(min(100, steps // 2)), "--log-every", "1",
-            "--eval-every", str(every), "--eval-tokens", "4096", "--ckpt-every", str(every), "--keep-checkpoints", "3"]
+    return [
+        sys.executable,
+        "-m",
+        "fastpt.train",
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--dtype",
+        "fp32",
+        "--data",
+        str(data),
+        "--out",
+        str(run),
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "8",
+        "--max-steps",
+        str(steps),
+        "--warmup-steps",
+        str(min(100, steps // 2)),
+        "--log-every",
+        "1",
+        "--eval-every",
+        str(every),
+        "--eval-tokens",
+        "4096",
+        "--ckpt-every",
+        str(every),
+        "--keep-checkpoints",
+        "3",
+    ]
 
 
 def watch(cmd: list[str], run: Path, log: Path, interval: float) -> list[dict]:
@@ -92,12 +123,16 @@ def check_resume(data: Path, run: Path, every: int, steps: int, log: Path) -> di
     start = checkpoint.latest(copy)
     cmd = train_args(data, copy, steps, every) + ["--resume"]
     with open(log, "w") as out:
-        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=True, cwd=REPO,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        subprocess.run(
+            cmd, stdout=out, stderr=subprocess.STDOUT, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
     first, again = losses(run), losses(copy)
     redone = range(checkpoint.load(start)["step"] + 1, steps + 1)
-    return {"resumed_from": start.name, "steps_redone": len(redone),
-            "identical": all(again[s] == first[s] for s in redone) and sorted(again) == sorted(first)}
+    return {
+        "resumed_from": start.name,
+        "steps_redone": len(redone),
+        "identical": all(again[s] == first[s] for s in redone) and sorted(again) == sorted(first),
+    }
 
 
 def growth(samples: list[dict], key: str, warm_steps: int) -> tuple[float, float, float]:
@@ -111,21 +146,34 @@ def growth(samples: list[dict], key: str, warm_steps: int) -> tuple[float, float
 def summarize(samples: list[dict], ms: list[float], warm_steps: int, resume: dict, seconds: float) -> dict:
     rss, fds = growth(samples, "rss_mib", warm_steps), growth(samples, "fds", warm_steps)
     window = max(100, len(ms) // 20)
-    first, last = ms[warm_steps:warm_steps + window], ms[-window:]
+    first, last = ms[warm_steps : warm_steps + window], ms[-window:]
     steady, end = statistics.median(first), statistics.median(last)
     # On a shared machine the median follows the other users' load; a window's fastest step is
     # what the step itself costs, the figure a leak (a growing graph, a list) would move.
     floor, floor_end = min(first), min(last)
     return {
-        "steps": len(ms), "warmup": warm_steps, "seconds": round(seconds, 1), "samples": len(samples),
-        "rss_mib": {"after_warmup": round(rss[0], 1), "end": round(rss[1], 1), "growth_pct": round(rss[2], 2),
-                    "max": round(max(s["rss_mib"] for s in samples), 1)},
+        "steps": len(ms),
+        "warmup": warm_steps,
+        "seconds": round(seconds, 1),
+        "samples": len(samples),
+        "rss_mib": {
+            "after_warmup": round(rss[0], 1),
+            "end": round(rss[1], 1),
+            "growth_pct": round(rss[2], 2),
+            "max": round(max(s["rss_mib"] for s in samples), 1),
+        },
         "open_fds": {"after_warmup": fds[0], "end": fds[1], "max": max(s["fds"] for s in samples)},
-        "step_ms": {"after_warmup": round(steady, 3), "end": round(end, 3),
-                    "growth_pct": round(100 * (end - steady) / steady, 2), "window_steps": window,
-                    "fastest_after_warmup": round(floor, 3), "fastest_end": round(floor_end, 3),
-                    "fastest_growth_pct": round(100 * (floor_end - floor) / floor, 2)},
-        "metrics_partial_samples": sum(not s["whole"] for s in samples), "resume": resume,
+        "step_ms": {
+            "after_warmup": round(steady, 3),
+            "end": round(end, 3),
+            "growth_pct": round(100 * (end - steady) / steady, 2),
+            "window_steps": window,
+            "fastest_after_warmup": round(floor, 3),
+            "fastest_end": round(floor_end, 3),
+            "fastest_growth_pct": round(100 * (floor_end - floor) / floor, 2),
+        },
+        "metrics_partial_samples": sum(not s["whole"] for s in samples),
+        "resume": resume,
         "load_before": os.getloadavg(),
     }
 
@@ -159,24 +207,45 @@ def main(argv: list[str] | None = None) -> int:
 
 def env_info_cpu() -> dict:
     import torch
+
     return env_info(torch.device("cpu"))
 
 
 def to_markdown(r: dict) -> str:
-    rows = [["resident memory (MiB)", str(r["rss_mib"]["after_warmup"]), str(r["rss_mib"]["end"]),
-             f"{r['rss_mib']['growth_pct']:+.2f}%"],
-            ["open file descriptors", str(r["open_fds"]["after_warmup"]), str(r["open_fds"]["end"]),
-             f"{r['open_fds']['end'] - r['open_fds']['after_warmup']:+d}"],
-            ["step time (ms, median of the window)", str(r["step_ms"]["after_warmup"]), str(r["step_ms"]["end"]),
-             f"{r['step_ms']['growth_pct']:+.2f}%"],
-            ["step time (ms, fastest of the window)", str(r["step_ms"]["fastest_after_warmup"]),
-             str(r["step_ms"]["fastest_end"]), f"{r['step_ms']['fastest_growth_pct']:+.2f}%"]]
-    return (f"Soak: {r['steps']:,} steps in {r['seconds']:,.0f} s, {r['samples']} samples; load average "
-            f"{r['load_before'][0]:.2f} before, {r['load_after'][0]:.2f} after (shared 2-core CPU).\n\n"
-            + markdown_table(["", f"after warm-up (steps {r['warmup']:,}+)", "end (last window)", "growth"], rows)
-            + f"\n\nmetrics.jsonl seen ending mid-record: {r['metrics_partial_samples']} of {r['samples']} samples. "
-            f"Resume from {r['resume']['resumed_from']}: {r['resume']['steps_redone']} steps redone, per-step losses "
-            f"{'identical' if r['resume']['identical'] else 'DIFFERENT'}.")
+    rows = [
+        [
+            "resident memory (MiB)",
+            str(r["rss_mib"]["after_warmup"]),
+            str(r["rss_mib"]["end"]),
+            f"{r['rss_mib']['growth_pct']:+.2f}%",
+        ],
+        [
+            "open file descriptors",
+            str(r["open_fds"]["after_warmup"]),
+            str(r["open_fds"]["end"]),
+            f"{r['open_fds']['end'] - r['open_fds']['after_warmup']:+d}",
+        ],
+        [
+            "step time (ms, median of the window)",
+            str(r["step_ms"]["after_warmup"]),
+            str(r["step_ms"]["end"]),
+            f"{r['step_ms']['growth_pct']:+.2f}%",
+        ],
+        [
+            "step time (ms, fastest of the window)",
+            str(r["step_ms"]["fastest_after_warmup"]),
+            str(r["step_ms"]["fastest_end"]),
+            f"{r['step_ms']['fastest_growth_pct']:+.2f}%",
+        ],
+    ]
+    return (
+        f"Soak: {r['steps']:,} steps in {r['seconds']:,.0f} s, {r['samples']} samples; load average "
+        f"{r['load_before'][0]:.2f} before, {r['load_after'][0]:.2f} after (shared 2-core CPU).\n\n"
+        + markdown_table(["", f"after warm-up (steps {r['warmup']:,}+)", "end (last window)", "growth"], rows)
+        + f"\n\nmetrics.jsonl seen ending mid-record: {r['metrics_partial_samples']} of {r['samples']} samples. "
+        f"Resume from {r['resume']['resumed_from']}: {r['resume']['steps_redone']} steps redone, per-step losses "
+        f"{'identical' if r['resume']['identical'] else 'DIFFERENT'}."
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Helpers for the pytest-benchmark suites (bench_*.py)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """`python -m bench` and `python -m bench kernels` on CPU: the rows they write and the loss check."""
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,50 @@ from bench.train_step import Setup, losses_agree, parse_mode, run_mode, unavaila
 from fastpt.config import ModelConfig
 from fastpt.model import Transformer
 
-ROW_FIELDS = {"mode", "tok_s", "step_ms", "peak_mem_gib", "mfu", "loss", "compile_s", "device", "device_name",
-              "torch", "triton", "commit", "preset", "micro_batch", "seq_len", "grad_accum", "dtype", "data"}
+ROW_FIELDS = {
+    "mode",
+    "tok_s",
+    "step_ms",
+    "peak_mem_gib",
+    "mfu",
+    "loss",
+    "compile_s",
+    "device",
+    "device_name",
+    "torch",
+    "triton",
+    "commit",
+    "preset",
+    "micro_batch",
+    "seq_len",
+    "grad_accum",
+    "dtype",
+    "data",
+}
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
 def test_train_step_cli_rows_and_agreeing_losses(tmp_path):
     out = tmp_path / "rows.json"
-    proc = run_bench("--preset", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1", "--threads", "1",
-                     "--modes", "eager,compiled", "--json", str(out))
+    proc = run_bench(
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--modes",
+        "eager,compiled",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert result["losses_agree"] and "| eager |" in proc.stdout and "| compiled |" in proc.stdout
@@ -45,7 +77,8 @@ def test_kernel_cli_rows(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {(r["op"], r["provider"]) for r in rows} == {
-        (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy") for p in ("torch", "fastpt")}
+        (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy") for p in ("torch", "fastpt")
+    }
     assert all(r["ms"] > 0 and r["rel_err"] < 1e-5 and 0 < r["floor_ms"] for r in rows)
     assert rows[0]["copy_gbps"] > 0 and "| floor ms | % of floor |" in proc.stdout
     assert "fastpt rows run the PyTorch reference, not the Triton kernels, unless TRITON_INTERPRET=1" in proc.stdout
@@ -57,8 +90,14 @@ def test_modes_parse():
     assert parse_mode("baseline").impl == "baseline" and parse_mode("baseline").compile
     levers = parse_mode("eager+ac-selective+float8")
     assert levers.activation_checkpointing == "selective" and levers.float8 and not levers.compile
-    for bad in ("fast", "eager+autotune", "baseline+kernels", "baseline+ac", "compiled+ac+ac-selective",
-                "eager+kernels+kernels"):
+    for bad in (
+        "fast",
+        "eager+autotune",
+        "baseline+kernels",
+        "baseline+ac",
+        "compiled+ac+ac-selective",
+        "eager+kernels+kernels",
+    ):
         with pytest.raises(ValueError):
             parse_mode(bad)
 
@@ -74,8 +113,22 @@ def test_lever_rows_on_cpu(tmp_path):
     """Activation checkpointing measured; the CUDA-only levers skipped with the reason in their row
     (CUDA graphs also at grad-accum > 1, as the trainer refuses them); a spent --time-budget skips."""
     out = tmp_path / "rows.json"
-    proc = run_bench("--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1", "--threads", "1",
-                     "--modes", "eager+ac,compiled+cudagraphs,eager+float8", "--json", str(out))
+    proc = run_bench(
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--modes",
+        "eager+ac,compiled+cudagraphs,eager+float8",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["eager+ac"]["tok_s"] > 0 and rows["eager+ac"]["peak_mem_gib"] >= 0
@@ -92,12 +145,25 @@ def test_lever_rows_on_cpu(tmp_path):
 def test_the_baseline_computes_the_same_model_as_fastpt(tie):
     """The peer is the same function (weights copied over, GQA and the 1b preset's untied head
     included): only then is its speed comparable and its loss a check on ours."""
-    cfg = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32,
-                      tie_embeddings=tie)
+    cfg = ModelConfig(
+        vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32, tie_embeddings=tie
+    )
     torch.manual_seed(0)
     ours = Transformer(cfg, "torch")
-    theirs = baseline.GPT(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
-                                             cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta, tie))
+    theirs = baseline.GPT(
+        baseline.GPTConfig(
+            cfg.vocab_size,
+            cfg.dim,
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.kv_heads,
+            cfg.ffn_dim,
+            cfg.max_seq_len,
+            cfg.norm_eps,
+            cfg.rope_theta,
+            tie,
+        )
+    )
     theirs.load_llama_state(ours.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 33))
     _, loss, _ = ours(ids[:, :-1], labels=ids[:, 1:])

@@ -1,12 +1,13 @@
 """`python -m bench race`: the time-to-loss table from the runs' metrics, and the command on a tiny budget."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 from bench import race
 from bench.common import REPO
@@ -29,10 +30,12 @@ def row(tmp_path, name: str, flags: list[str], evals: dict[int, float], tok_s: f
 
 
 def test_tokens_and_time_to_the_seeds_final_loss(tmp_path):
-    rows = [row(tmp_path, "seed", [], {10: 3.0, 20: 2.6, 30: 2.5}),
-            row(tmp_path, "fast", ["--fast"], {10: 2.7, 20: 2.4, 30: 2.2}, tok_s=500.0),
-            row(tmp_path, "worse", ["--worse"], {10: 3.1, 20: 2.9, 30: 2.8}),
-            {"recipe": "broken", "flags": ["--broken"], "steps": 30, "error": "fastpt: error: nope"}]
+    rows = [
+        row(tmp_path, "seed", [], {10: 3.0, 20: 2.6, 30: 2.5}),
+        row(tmp_path, "fast", ["--fast"], {10: 2.7, 20: 2.4, 30: 2.2}, tok_s=500.0),
+        row(tmp_path, "worse", ["--worse"], {10: 3.1, 20: 2.9, 30: 2.8}),
+        {"recipe": "broken", "flags": ["--broken"], "steps": 30, "error": "fastpt: error: nope"},
+    ]
     assert rows[0]["train_s"] == pytest.approx(3.0) and rows[0]["tok_s"] == pytest.approx(1000.0)
     race.score(rows)
     seed, fast, worse, broken = rows
@@ -56,11 +59,41 @@ def test_recipes_are_flag_lists_and_the_seed_runs_first():
 
 
 def test_race_cli_on_a_tiny_budget(bench_data, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench", "race", "--data", str(bench_data), "--steps", "4",
-                           "--seq-len", "32", "--micro-batch", "2", "--eval-every", "2", "--eval-tokens", "128",
-                           "--recipes", "seed", "--recipe", "wsd=--schedule wsd --decay-fraction 0.5",
-                           "--short", "0", "--work", str(tmp_path / "runs"), "--save", str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "race",
+            "--data",
+            str(bench_data),
+            "--steps",
+            "4",
+            "--seq-len",
+            "32",
+            "--micro-batch",
+            "2",
+            "--eval-every",
+            "2",
+            "--eval-tokens",
+            "128",
+            "--recipes",
+            "seed",
+            "--recipe",
+            "wsd=--schedule wsd --decay-fraction 0.5",
+            "--short",
+            "0",
+            "--work",
+            str(tmp_path / "runs"),
+            "--save",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "out" / "race.json").read_text())
     seed, wsd = result["rows"]
@@ -74,9 +107,10 @@ def test_race_cli_on_a_tiny_budget(bench_data, tmp_path):
 def test_speed_windows_and_table(tmp_path):
     metrics(tmp_path / "m.jsonl", 100, {10: 3.0, 20: 2.9, 30: 2.8}, 1000.0)
     assert race.windows(tmp_path / "m.jsonl") == [(1000, 1.0), (1000, 1.0), (1000, 1.0)]
-    rows = [{"recipe": "seed", "flags": [], "tok_s_runs": [900.0, 1000.0, 800.0], "tok_s": 1000.0,
-             "tok_s_vs_seed": 1.0},
-            {"recipe": "slow", "flags": ["--slow"], "tok_s_runs": [500.0], "tok_s": 500.0, "tok_s_vs_seed": 0.5}]
+    rows = [
+        {"recipe": "seed", "flags": [], "tok_s_runs": [900.0, 1000.0, 800.0], "tok_s": 1000.0, "tok_s_vs_seed": 1.0},
+        {"recipe": "slow", "flags": ["--slow"], "tok_s_runs": [500.0], "tok_s": 500.0, "tok_s_vs_seed": 0.5},
+    ]
     table = race.speed_table(rows)
     assert "| seed |  | 1,000 | 1.00x | 900, 1,000, 800 |" in table
     assert "| slow | `--slow` | 500 | 0.50x | 500 |" in table

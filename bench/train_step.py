@@ -15,6 +15,7 @@ torch.compile. E.g. `compiled+kernels+ac`, `compiled+kernels+autotune+cudagraphs
 Every mode runs in its own process (clean allocator, compile caches in memory and peak RSS)
 on the same initial weights and the same batches, so in fp32 the final losses must agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -47,7 +48,6 @@ from fastpt.shards import write_shard
 from fastpt.train import train_step
 
 
-
 class Baseline(baseline.GPT):
     """The peer, its seed-style (logits, loss, None) returned as the LossOutput train_step reads."""
 
@@ -57,8 +57,12 @@ class Baseline(baseline.GPT):
 
 
 # (autotune, cudagraphs) -> torch.compile mode
-COMPILE_MODES = {(False, False): "default", (True, False): "max-autotune-no-cudagraphs",
-                 (False, True): "reduce-overhead", (True, True): "max-autotune"}
+COMPILE_MODES = {
+    (False, False): "default",
+    (True, False): "max-autotune-no-cudagraphs",
+    (False, True): "reduce-overhead",
+    (True, True): "max-autotune",
+}
 AC_OPTIONS = {"ac": "full", "ac-selective": "selective"}
 OPTIONS = {"kernels", "autotune", "cudagraphs", "float8", *AC_OPTIONS}
 # micro-batch, grad-accum per preset: 0.04b at 32 x 1024, accum 2 (the reference job's 64k tokens/step);
@@ -84,8 +88,10 @@ class Mode:
 def parse_mode(name: str) -> Mode:
     base, *options = name.split("+")
     if base not in ("eager", "compiled", "baseline") or set(options) - OPTIONS or len(options) != len(set(options)):
-        raise ValueError(f"bad mode {name!r}: eager|compiled|baseline [+kernels] [+autotune] [+cudagraphs] "
-                         "[+ac|+ac-selective] [+float8]")
+        raise ValueError(
+            f"bad mode {name!r}: eager|compiled|baseline [+kernels] [+autotune] [+cudagraphs] "
+            "[+ac|+ac-selective] [+float8]"
+        )
     autotune, cudagraphs = "autotune" in options, "cudagraphs" in options
     ac = [AC_OPTIONS[o] for o in options if o in AC_OPTIONS]
     if (autotune or cudagraphs) and base == "eager":
@@ -94,13 +100,21 @@ def parse_mode(name: str) -> Mode:
         raise ValueError(f"bad mode {name!r}: kernels, ac and float8 are fastpt's, not the baseline's")
     if len(ac) > 1:
         raise ValueError(f"bad mode {name!r}: one of ac, ac-selective")
-    return Mode(name, "baseline" if base == "baseline" else "fastpt", base != "eager", "kernels" in options,
-                COMPILE_MODES[autotune, cudagraphs], ac[0] if ac else "none", "float8" in options)
+    return Mode(
+        name,
+        "baseline" if base == "baseline" else "fastpt",
+        base != "eager",
+        "kernels" in options,
+        COMPILE_MODES[autotune, cudagraphs],
+        ac[0] if ac else "none",
+        "float8" in options,
+    )
 
 
 @dataclass
 class Setup:
     """Everything a mode's process needs to rebuild the same model, data and schedule."""
+
     preset: str
     device: str
     micro_batch: int
@@ -142,16 +156,28 @@ def build(setup: Setup, mode: Mode) -> Run:
     device = torch.device(setup.device)
     shards = find_shards(setup.data_dir, "train")
     backend = ("triton" if device.type == "cuda" else "auto") if mode.kernels else "torch"
-    cfg = model_config(TrainConfig(preset=setup.preset, seq_len=setup.seq_len),
-                       data_vocab(Path(setup.data_dir), shards, False))
+    cfg = model_config(
+        TrainConfig(preset=setup.preset, seq_len=setup.seq_len), data_vocab(Path(setup.data_dir), shards, False)
+    )
     torch.manual_seed(setup.seed)
     # built on the CPU: identical weights on every device
     fastpt_model = Transformer(cfg, backend, activation_checkpointing=mode.activation_checkpointing)
     betas = (TRAIN.beta1, TRAIN.beta2)
     if mode.impl == "baseline":
-        model = Baseline(baseline.GPTConfig(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads,
-                                                cfg.ffn_dim, cfg.max_seq_len, cfg.norm_eps, cfg.rope_theta,
-                                                cfg.tie_embeddings))
+        model = Baseline(
+            baseline.GPTConfig(
+                cfg.vocab_size,
+                cfg.dim,
+                cfg.n_layers,
+                cfg.n_heads,
+                cfg.kv_heads,
+                cfg.ffn_dim,
+                cfg.max_seq_len,
+                cfg.norm_eps,
+                cfg.rope_theta,
+                cfg.tie_embeddings,
+            )
+        )
         model.load_llama_state(fastpt_model.state_dict())
         model.to(device)
         optimizer = model.configure_optimizers(TRAIN.weight_decay, setup.lr, betas)
@@ -166,8 +192,13 @@ def build(setup: Setup, mode: Mode) -> Run:
     autocast = torch.autocast(device.type, dtype=DTYPES[setup.dtype], enabled=setup.dtype != "fp32")
     scaler = torch.amp.GradScaler(device.type, enabled=setup.dtype == "fp16")  # as fastpt.train builds it
     step = lambda: train_step(net, optimizer, scaler, loader, setup.grad_accum, autocast, TRAIN.max_grad_norm).loss
-    return Run(step, loader, fastpt_model.num_params(), fastpt_model.flops_per_token(setup.seq_len),
-               setup.micro_batch * setup.seq_len * setup.grad_accum)
+    return Run(
+        step,
+        loader,
+        fastpt_model.num_params(),
+        fastpt_model.flops_per_token(setup.seq_len),
+        setup.micro_batch * setup.seq_len * setup.grad_accum,
+    )
 
 
 def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
@@ -194,11 +225,17 @@ def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
     run.loader.close()
     peak = peak_mem_gib(device) - rss_before
     return {
-        "mode": mode.name, "tok_s": run.tokens_per_step * steps / elapsed, "step_ms": 1e3 * elapsed / steps,
-        "peak_mem_gib": peak, "loss": loss.item(),
+        "mode": mode.name,
+        "tok_s": run.tokens_per_step * steps / elapsed,
+        "step_ms": 1e3 * elapsed / steps,
+        "peak_mem_gib": peak,
+        "loss": loss.item(),
         "compile_s": max(0.0, warmup_s - warmup * elapsed / steps),  # warm-up time beyond steady steps
-        "data_wait_pct": 100 * run.loader.wait_s / elapsed, "graphs_after_warmup": compiled_graphs() - graphs,
-        "params": run.params, "flops_per_token": run.flops_per_token, "tokens_per_step": run.tokens_per_step,
+        "data_wait_pct": 100 * run.loader.wait_s / elapsed,
+        "graphs_after_warmup": compiled_graphs() - graphs,
+        "params": run.params,
+        "flops_per_token": run.flops_per_token,
+        "tokens_per_step": run.tokens_per_step,
         "cpu_threads": torch.get_num_threads(),
     }
 
@@ -235,6 +272,7 @@ def prepare_data(spec: str, tmp: Path, vocab: int) -> tuple[Path, str]:
     tokens (pure step throughput). default: fastpt's default corpus. Anything else: a shard folder."""
     if spec == "repo":
         from fastpt.prepare import prepare
+
         files = sorted(p for d in ("fastpt", "kernels", "bench", "tests") for p in (REPO / d).rglob("*.py"))
         meta = prepare(files, tmp / "repo", "bytes")
         return tmp / "repo", f"repo sources ({len(files)} .py files, {meta['tokens']['train']:,} byte tokens)"
@@ -246,6 +284,7 @@ def prepare_data(spec: str, tmp: Path, vocab: int) -> tuple[Path, str]:
         return tmp / "random", f"random tokens (uniform over {vocab:,}, pure step throughput)"
     if spec == "default":
         from fastpt.prepare import default_corpus
+
         return default_corpus(vocab or 4096), "default corpus (stdlib sources, BPE)"
     return Path(spec), f"shards in {spec}"
 
@@ -267,37 +306,67 @@ def ratio(row: dict, rows: list[dict], name: str) -> str:
 def markdown(rows: list[dict], info: dict) -> str:
     """A header line with what was measured, then one table row per mode."""
     device = info["device_name"] + (f", threads {info['cpu_threads']}" if info["device"] == "cpu" else "")
-    head = (f"train step · preset {info['preset']} ({info['params']:,} params) · {device} · "
-            f"{info['dtype']} · {info['micro_batch']} x {info['seq_len']} x {info['grad_accum']} accum = "
-            f"{info['tokens_per_step']:,} tok/step · {info['steps']} steps after {info['warmup']} warm-up · "
-            f"data: {info['data']} · torch {info['torch']} · triton {info['triton']} · commit {info['commit']}")
+    head = (
+        f"train step · preset {info['preset']} ({info['params']:,} params) · {device} · "
+        f"{info['dtype']} · {info['micro_batch']} x {info['seq_len']} x {info['grad_accum']} accum = "
+        f"{info['tokens_per_step']:,} tok/step · {info['steps']} steps after {info['warmup']} warm-up · "
+        f"data: {info['data']} · torch {info['torch']} · triton {info['triton']} · commit {info['commit']}"
+    )
     if info["matmul_tflops"]:
         head += f" · bf16 matmul ceiling {info['matmul_tflops']:.0f} TFLOP/s"
-    header = ["mode", "tok/s", "vs eager", "vs baseline", "step ms", "peak GiB", "MFU", "MFU vs matmul",
-              "loss", "compile s", "data wait %", "new graphs"]
+    header = [
+        "mode",
+        "tok/s",
+        "vs eager",
+        "vs baseline",
+        "step ms",
+        "peak GiB",
+        "MFU",
+        "MFU vs matmul",
+        "loss",
+        "compile s",
+        "data wait %",
+        "new graphs",
+    ]
     table = []
     for r in rows:
         if "tok_s" not in r:
             why = f"error: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"
             table.append([r["mode"], why] + [""] * (len(header) - 2))
             continue
-        table.append([r["mode"], f"{r['tok_s']:,.0f}", ratio(r, rows, "eager"), ratio(r, rows, "baseline"),
-                      f"{r['step_ms']:.1f}", f"{r['peak_mem_gib']:.2f}", fmt(r["mfu"], ".2f"),
-                      fmt(r["mfu_matmul"], ".2f"), f"{r['loss']:.5f}", f"{r['compile_s']:.1f}",
-                      f"{r['data_wait_pct']:.1f}", str(r["graphs_after_warmup"])])
+        table.append(
+            [
+                r["mode"],
+                f"{r['tok_s']:,.0f}",
+                ratio(r, rows, "eager"),
+                ratio(r, rows, "baseline"),
+                f"{r['step_ms']:.1f}",
+                f"{r['peak_mem_gib']:.2f}",
+                fmt(r["mfu"], ".2f"),
+                fmt(r["mfu_matmul"], ".2f"),
+                f"{r['loss']:.5f}",
+                f"{r['compile_s']:.1f}",
+                f"{r['data_wait_pct']:.1f}",
+                str(r["graphs_after_warmup"]),
+            ]
+        )
     mem = "CUDA max_memory_allocated" if info["device"] == "cuda" else "peak RSS growth of the mode's process"
     with_kernels = any("+kernels" in r["mode"] for r in rows)
     note = kernel_rows_note(torch.device(info["device"]), "+kernels rows") if with_kernels else ""
-    return (f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up"
-            + (f"; {note}." if note else "."))
+    return f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up" + (
+        f"; {note}." if note else "."
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags; defaults follow the device: 0.04b in bf16 on CUDA, tiny in fp32 on a CPU."""
     cuda = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="python -m bench kernels --help: the kernel table")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="python -m bench kernels --help: the kernel table",
+    )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
     ap.add_argument("--preset", choices=tuple(PRESETS), help="default: 0.04b on CUDA, tiny on CPU")
     ap.add_argument("--steps", type=int, help="timed steps per mode (default: 20 on CUDA, 10 on CPU)")
@@ -306,16 +375,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--grad-accum", type=int, help="default: 2 for 0.04b, 1 for tiny")
     ap.add_argument("--seq-len", type=int, help="default: the preset's")
     ap.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
-    ap.add_argument("--modes", help="comma-separated modes, see above (default: eager,compiled,"
-                                    "compiled+kernels,baseline on CUDA, eager,compiled,baseline on CPU)")
-    ap.add_argument("--threads", type=int, default=0,
-                    help="CPU threads per mode (default: torch's); 1 steadies a busy shared machine")
+    ap.add_argument(
+        "--modes",
+        help="comma-separated modes, see above (default: eager,compiled,"
+        "compiled+kernels,baseline on CUDA, eager,compiled,baseline on CPU)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads per mode (default: torch's); 1 steadies a busy shared machine",
+    )
     ap.add_argument("--data", default="repo", help="repo | random | default | a folder of shards")
     ap.add_argument("--json", help="write every row (and the table) here")
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--mode-timeout", type=float, help="seconds per mode before it counts as failed")
-    ap.add_argument("--time-budget", type=float, help="seconds for all modes: a mode is skipped when less than "
-                                                      f"{MIN_MODE_S} s are left, and none runs past it")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        help=f"seconds for all modes: a mode is skipped when less than {MIN_MODE_S} s are left, and none runs past it",
+    )
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     if gpu and not cuda:
@@ -352,16 +431,31 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_flops(env["device_name"]) if device.type == "cuda" else None
     with tempfile.TemporaryDirectory() as tmp:
         data_dir, data_desc = prepare_data(args.data, Path(tmp), PRESETS[args.preset].vocab_size)
-        setup = Setup(args.preset, args.device, args.micro_batch, args.grad_accum, args.seq_len, args.dtype,
-                      str(data_dir), threads=args.threads)
+        setup = Setup(
+            args.preset,
+            args.device,
+            args.micro_batch,
+            args.grad_accum,
+            args.seq_len,
+            args.dtype,
+            str(data_dir),
+            threads=args.threads,
+        )
         deadline = time.monotonic() + (math.inf if args.time_budget is None else args.time_budget)
         rows = [run_mode(setup, mode, args.steps, args.warmup, args.mode_timeout, deadline) for mode in args.modes]
     add_mfu(rows, peak, ceiling)
-    info = {**env, **dataclasses.asdict(setup), "data": data_desc, "steps": args.steps, "warmup": args.warmup,
-            "matmul_tflops": ceiling, "peak_tflops": peak and peak / 1e12,
-            "params": next((r["params"] for r in rows if "params" in r), 0),
-            "cpu_threads": next((r["cpu_threads"] for r in rows if "cpu_threads" in r), env["cpu_threads"]),
-            "tokens_per_step": args.micro_batch * args.seq_len * args.grad_accum}
+    info = {
+        **env,
+        **dataclasses.asdict(setup),
+        "data": data_desc,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "matmul_tflops": ceiling,
+        "peak_tflops": peak and peak / 1e12,
+        "params": next((r["params"] for r in rows if "params" in r), 0),
+        "cpu_threads": next((r["cpu_threads"] for r in rows if "cpu_threads" in r), env["cpu_threads"]),
+        "tokens_per_step": args.micro_batch * args.seq_len * args.grad_accum,
+    }
     del info["data_dir"]  # a temporary folder, gone by now
     agree = losses_agree(rows, LOSS_RTOL[args.dtype])
     table = markdown(rows, info)
@@ -370,8 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     first = next((r["mode"] for r in rows if "loss" in r), "none measured")
     print(f"\n{verdict} (relative tolerance {LOSS_RTOL[args.dtype]:g} vs {first})")
     if args.json:
-        write_json(args.json, {"kind": "train_step", "losses_agree": agree, "markdown": table,
-                               "rows": [{**info, **r} for r in rows]})
+        write_json(
+            args.json,
+            {"kind": "train_step", "losses_agree": agree, "markdown": table, "rows": [{**info, **r} for r in rows]},
+        )
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     return 0 if agree else 1

@@ -1,4 +1,5 @@
 """fastpt: a compile-first pretraining engine for small Llama-style language models."""
+
 import sys
 
 if sys.argv[:1] == ["-m"]:  # `python -m fastpt.<command>` is starting (argv[0] is "-m" until the module is found)

@@ -12,6 +12,7 @@ The mask is built once per batch from the token ids and shared by every layer:
   FlexAttention has no backward on CPU (torch 2.13 refuses requires_grad inputs there).
 Both are plain tensor code of the batch, so torch.compile builds one graph for every batch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,15 +40,18 @@ def document_mask(idx: torch.Tensor, doc_token: int, flex: bool | None = None) -
     doc = document_ids(idx, doc_token)  # (B, T)
     B, T = idx.shape
     if idx.device.type == "cuda" if flex is None else flex:
+
         def same_document_causal(b, h, q, kv):
             return (q >= kv) & (doc[b, q] == doc[b, kv])
+
         return create_block_mask(same_document_causal, B, None, T, T, device=idx.device)
     causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()  # (T, T)
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]  # (B, 1, T, T)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor,
-           enable_gqa: bool) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask | torch.Tensor, enable_gqa: bool
+) -> torch.Tensor:
     """Masked attention of q (B, H, T, hd) over k, v (B, Hkv, T, hd) -> (B, H, T, hd)."""
     if isinstance(mask, BlockMask):
         if q.device.type == "cuda":  # a compiled model fuses flex_attention into its own graph

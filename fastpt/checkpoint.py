@@ -16,6 +16,7 @@ unpickler for DCP's metadata and its non-tensor items. A checkpoint holds tensor
 values only (NumPy's RNG state as a tensor); NumPy arrays are allowed too, for checkpoints that
 earlier releases wrote (their NumPy RNG state was an array).
 """
+
 from __future__ import annotations
 
 import io
@@ -24,8 +25,8 @@ import random
 import re
 import sys
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,8 +37,13 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / load_state_dict(), as torchtitan's
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
@@ -45,8 +51,22 @@ from torch.utils._pytree import tree_leaves
 from fastpt.errors import CheckpointError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
 
-__all__ = ["Checkpointer", "ModelState", "OptimizerState", "RNGState", "Stateful", "apply", "checkpoints", "find",
-           "latest", "load", "restore", "save", "step_of", "tokenizer_of"]
+__all__ = [
+    "Checkpointer",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "Stateful",
+    "apply",
+    "checkpoints",
+    "find",
+    "latest",
+    "load",
+    "restore",
+    "save",
+    "step_of",
+    "tokenizer_of",
+]
 
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 STATE_FILE = "state.pt"
@@ -203,9 +223,11 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
     global or class it would have called; a file that is no pickle at all, with the reason."""
     named = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
     if named:
-        return CheckpointError(f"refused to load {file}: it names {named.group(1) or named.group(2)}, which a fastpt "
-                               "checkpoint never holds and loading could run code (re-save a trusted one as plain "
-                               "tensors and values)")
+        return CheckpointError(
+            f"refused to load {file}: it names {named.group(1) or named.group(2)}, which a fastpt "
+            "checkpoint never holds and loading could run code (re-save a trusted one as plain "
+            "tensors and values)"
+        )
     lines = [line for line in str(e).splitlines() if line.strip()]
     after = [b for a, b in zip(lines, lines[1:]) if "WeightsUnpickler error" in a]  # torch's own reason
     reason = (after or lines or [type(e).__name__])[0]
@@ -234,9 +256,19 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
 
 # The classes DCP's .metadata pickle is made of; anything else in it is refused.
 DCP_GLOBALS = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")},
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
@@ -312,8 +344,9 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
             raise CheckpointError(f"could not load the {name} state from {path}: {reason}") from None
 
 
-def restore(run_dir: str | Path, map_location: torch.device,
-            apply: Callable[[Path, dict], None]) -> tuple[Path, dict] | None:
+def restore(
+    run_dir: str | Path, map_location: torch.device, apply: Callable[[Path, dict], None]
+) -> tuple[Path, dict] | None:
     """The newest checkpoint that loads: `apply(path, ckpt)` puts it into the run (and may raise
     CheckpointError too). A damaged newer one is skipped with a warning that says why; None when
     the folder holds no checkpoint, CheckpointError when none of them loads."""
@@ -350,10 +383,12 @@ class Checkpointer:
         state = {name: stateful.state_dict() for name, stateful in self.states.items()}
         return save(self.run_dir, step, {**state, **self.meta}, self.keep, self.is_main)
 
-    def restore(self, map_location: torch.device,
-                check: Callable[[Path, dict], None] = lambda path, ckpt: None) -> Path | None:
+    def restore(
+        self, map_location: torch.device, check: Callable[[Path, dict], None] = lambda path, ckpt: None
+    ) -> Path | None:
         """Load every registered state from the newest checkpoint that loads (`check(path, ckpt)`
         first, to refuse one that does not fit); None when the run folder has none."""
+
         def put(path: Path, ckpt: dict) -> None:
             check(path, ckpt)
             apply(path, ckpt, self.states)

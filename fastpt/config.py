@@ -3,6 +3,7 @@
 Resolution order for a run: TrainConfig defaults < the preset's batch < device profile (CPU
 only) < TOML file < CLI. Model shape: the preset's ModelConfig < the shape keys given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ ATTENTIONS = ("causal", "document")
 @dataclass
 class ModelConfig:
     """The architecture: nothing here is a runtime choice (kernels, compile, dtype are not)."""
+
     vocab_size: int = 32000  # 0 = take it from the data's meta.json / shard header
     dim: int = 512
     n_layers: int = 8
@@ -83,8 +85,9 @@ class ModelConfig:
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"'n_heads' = {self.n_heads} is not divisible by 'n_kv_heads' = {self.kv_heads}")
         if self.head_dim % 2:
-            raise ConfigError(f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) "
-                              "must be even for RoPE")
+            raise ConfigError(
+                f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) must be even for RoPE"
+            )
         if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
             raise ConfigError(f"'norm_eps' must be a finite number > 0, got {self.norm_eps}")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
@@ -94,12 +97,17 @@ class ModelConfig:
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"'attention' = {self.attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
         if self.attention == "document" and not (
-                isinstance(self.doc_token, int) and 0 <= self.doc_token < (self.vocab_size or math.inf)):
-            raise ConfigError(f"'attention' = 'document' needs a document token id below the vocab "
-                              f"({self.vocab_size}), got doc_token {self.doc_token!r}")
+            isinstance(self.doc_token, int) and 0 <= self.doc_token < (self.vocab_size or math.inf)
+        ):
+            raise ConfigError(
+                f"'attention' = 'document' needs a document token id below the vocab "
+                f"({self.vocab_size}), got doc_token {self.doc_token!r}"
+            )
         if self.num_params() > MAX_PARAMS:  # a typo (an extra zero or two), not a model to allocate
-            raise ConfigError(f"this shape has {self.num_params():,} parameters, beyond fastpt's {MAX_PARAMS:,}: "
-                              "check 'dim', 'n_layers', 'ffn_dim' and 'vocab_size'")
+            raise ConfigError(
+                f"this shape has {self.num_params():,} parameters, beyond fastpt's {MAX_PARAMS:,}: "
+                "check 'dim', 'n_layers', 'ffn_dim' and 'vocab_size'"
+            )
         return self
 
 
@@ -111,19 +119,32 @@ PRESETS: dict[str, ModelConfig] = {
     "0.1b": ModelConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=2048),
     "0.35b": ModelConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, max_seq_len=2048),
     # TinyLlama-1.1B's architecture exactly: GQA with 4 KV heads, untied head, eps 1e-5.
-    "1b": ModelConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=2048,
-                      norm_eps=1e-5, tie_embeddings=False),
+    "1b": ModelConfig(
+        dim=2048,
+        n_layers=22,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=5632,
+        max_seq_len=2048,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+    ),
 }
 # (micro_batch, grad_accum) per preset: the seed's 16 x 4 for 0.04b; sized to fit one 80 GB GPU
 # in bf16 with --compile (the larger ones unmeasured until a GPU run says otherwise).
 PRESET_BATCH: dict[str, tuple[int, int]] = {
-    "tiny": (16, 1), "0.04b": (16, 4), "0.1b": (16, 4), "0.35b": (16, 4), "1b": (8, 8),
+    "tiny": (16, 1),
+    "0.04b": (16, 4),
+    "0.1b": (16, 4),
+    "0.35b": (16, 4),
+    "1b": (8, 8),
 }
 
 
 @dataclass(frozen=True)
 class Interval:
     """The values a numeric setting accepts; always finite."""
+
     low: float
     high: float = math.inf
     low_open: bool = False
@@ -165,22 +186,38 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the ones that add CUDA
 class TrainConfig:
     # model and data
     preset: str = setting("0.04b", "model size (see --list-presets)", choices=tuple(PRESETS))
-    data: str = setting("", "folder of train_*.bin / val_*.bin shards, or a weighted mixture of such folders "
-                            "DIR:WEIGHT,DIR:WEIGHT (in TOML also a table); '' = the default corpus, prepared once")
-    packing: str = setting("concat", "training windows: concat cuts them from the token stream; bos starts each at "
-                                     "a document token, filled best-fit with whole documents",
-                           choices=("concat", "bos"))
-    data_format: str = setting("llmc", "llmc: headered shards (fastpt, llm.c, modded-nanogpt); "
-                                       "nanogpt: headerless uint16 .bin", choices=("llmc", "nanogpt"))
+    data: str = setting(
+        "",
+        "folder of train_*.bin / val_*.bin shards, or a weighted mixture of such folders "
+        "DIR:WEIGHT,DIR:WEIGHT (in TOML also a table); '' = the default corpus, prepared once",
+    )
+    packing: str = setting(
+        "concat",
+        "training windows: concat cuts them from the token stream; bos starts each at "
+        "a document token, filled best-fit with whole documents",
+        choices=("concat", "bos"),
+    )
+    data_format: str = setting(
+        "llmc",
+        "llmc: headered shards (fastpt, llm.c, modded-nanogpt); nanogpt: headerless uint16 .bin",
+        choices=("llmc", "nanogpt"),
+    )
     out: str = setting("runs/default", "run folder: config, metrics.jsonl, checkpoints, tokenizer")
     resume: bool = setting(False, "continue from the newest complete checkpoint in --out")
-    init_from: str = setting("", "a Hugging Face Llama folder to start from (continued pretraining): its shape "
-                                 "and weights replace the preset's; without --data its tokenizer prepares the "
-                                 "default corpus")
+    init_from: str = setting(
+        "",
+        "a Hugging Face Llama folder to start from (continued pretraining): its shape "
+        "and weights replace the preset's; without --data its tokenizer prepares the "
+        "default corpus",
+    )
     seq_len: int = setting(0, "tokens per training sequence; 0 = the model's max_seq_len", domain=NON_NEGATIVE)
-    attention: str = setting("causal", "causal: a token sees every earlier token of its window; document: only "
-                                       "earlier tokens of its own document (the data's document token starts "
-                                       "one)", choices=ATTENTIONS)
+    attention: str = setting(
+        "causal",
+        "causal: a token sees every earlier token of its window; document: only "
+        "earlier tokens of its own document (the data's document token starts "
+        "one)",
+        choices=ATTENTIONS,
+    )
     # model shape, on top of the preset
     vocab_size: int | None = shape("vocabulary size (at least the data's)")
     dim: int | None = shape("model width")
@@ -199,54 +236,73 @@ class TrainConfig:
     lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
     min_lr_ratio: float = setting(0.1, "the schedule's floor as a fraction of the peak", domain=UNIT)
     warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
-    schedule: str = setting("cosine", "LR after warmup: cosine to the floor (the seed's); wsd: constant peak, "
-                                      "then linear decay to the floor over the last decay_fraction of the steps; "
-                                      "linear: linear decay to the floor from the end of warmup",
-                            choices=("cosine", "wsd", "linear"))
-    decay_fraction: float = setting(0.2, "wsd: the fraction of max_steps that decays",
-                                    domain=Interval(0, 1, low_open=True))
-    optimizer: str = setting("adamw", "adamw: the seed's two AdamW groups; muon: Muon for the blocks' 2-D weight "
-                                      "matrices, the two AdamW groups for embeddings, head and norms",
-                             choices=("adamw", "muon"))
-    muon_lr: float = setting(0.02, "Muon's peak learning rate (--optimizer muon), on the same schedule",
-                             domain=POSITIVE)
+    schedule: str = setting(
+        "cosine",
+        "LR after warmup: cosine to the floor (the seed's); wsd: constant peak, "
+        "then linear decay to the floor over the last decay_fraction of the steps; "
+        "linear: linear decay to the floor from the end of warmup",
+        choices=("cosine", "wsd", "linear"),
+    )
+    decay_fraction: float = setting(
+        0.2, "wsd: the fraction of max_steps that decays", domain=Interval(0, 1, low_open=True)
+    )
+    optimizer: str = setting(
+        "adamw",
+        "adamw: the seed's two AdamW groups; muon: Muon for the blocks' 2-D weight "
+        "matrices, the two AdamW groups for embeddings, head and norms",
+        choices=("adamw", "muon"),
+    )
+    muon_lr: float = setting(
+        0.02, "Muon's peak learning rate (--optimizer muon), on the same schedule", domain=POSITIVE
+    )
     muon_momentum: float = setting(0.95, "Muon's (Nesterov) momentum", domain=BETA)
     weight_decay: float = setting(0.1, "AdamW weight decay", domain=NON_NEGATIVE)
-    decay_rule: str = setting("ndim", "ndim: decay tensors with >= 2 dims; strict: also spare biases, "
-                                      "norms, embeddings", choices=("ndim", "strict"))
+    decay_rule: str = setting(
+        "ndim",
+        "ndim: decay tensors with >= 2 dims; strict: also spare biases, norms, embeddings",
+        choices=("ndim", "strict"),
+    )
     beta1: float = setting(0.9, "AdamW beta1", domain=BETA)
     beta2: float = setting(0.95, "AdamW beta2", domain=BETA)
     eps: float = setting(1e-8, "AdamW epsilon", domain=POSITIVE)
-    max_grad_norm: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping",
-                                   domain=NON_NEGATIVE)
-    z_loss: float = setting(0.0, "z-loss coefficient (PaLM, OLMo: 1e-4): adds z_loss * logsumexp^2 to the loss, "
-                                 "logged apart as z_loss; 0 = off", domain=NON_NEGATIVE)
+    max_grad_norm: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping", domain=NON_NEGATIVE)
+    z_loss: float = setting(
+        0.0,
+        "z-loss coefficient (PaLM, OLMo: 1e-4): adds z_loss * logsumexp^2 to the loss, logged apart as z_loss; 0 = off",
+        domain=NON_NEGATIVE,
+    )
     # speed
-    dtype: str = setting("bf16", "autocast precision (fp16 uses a GradScaler, CUDA only)",
-                         choices=tuple(DTYPES))
+    dtype: str = setting("bf16", "autocast precision (fp16 uses a GradScaler, CUDA only)", choices=tuple(DTYPES))
     compile: bool = setting(False, "torch.compile the model")
-    compile_mode: str = setting("default", "torch.compile mode with --compile; reduce-overhead and max-autotune "
-                                           "add CUDA graphs", choices=COMPILE_MODES)
-    activation_checkpointing: str = setting("none", "recompute block activations in the backward to save memory: "
-                                                    "full = every block, selective = every other block",
-                                            choices=("none", "full", "selective"))
-    float8: bool = setting(False, "float8 matmuls in the blocks' linear layers via torchao (CUDA, compute "
-                                  "capability >= 8.9)")
+    compile_mode: str = setting(
+        "default",
+        "torch.compile mode with --compile; reduce-overhead and max-autotune add CUDA graphs",
+        choices=COMPILE_MODES,
+    )
+    activation_checkpointing: str = setting(
+        "none",
+        "recompute block activations in the backward to save memory: full = every block, selective = every other block",
+        choices=("none", "full", "selective"),
+    )
+    float8: bool = setting(
+        False, "float8 matmuls in the blocks' linear layers via torchao (CUDA, compute capability >= 8.9)"
+    )
     kernels: str = setting("auto", "auto: Triton on CUDA, PyTorch elsewhere", choices=("auto", "triton", "torch"))
     device: str = setting("", "'' = cuda if available, else cpu", choices=("", "cpu", "cuda"))
     parallel: str = setting("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
-    profile: str = setting("", "record torch.profiler traces of steps START:END (e.g. 3:5) into OUT/profile; "
-                               "'' = off")
+    profile: str = setting("", "record torch.profiler traces of steps START:END (e.g. 3:5) into OUT/profile; '' = off")
     # bookkeeping
     log_every: int = setting(10, "steps between dashboard lines / metrics records", domain=POSITIVE)
     eval_every: int = setting(500, "steps between validation evals", domain=POSITIVE)
     eval_tokens: int = setting(262144, "validation tokens per eval", domain=POSITIVE)
-    eval_mc: str = setting("", "JSONL file of multiple-choice rows (ctx, endings, label) scored at every eval "
-                               "as mc_acc; '' = off")
+    eval_mc: str = setting(
+        "", "JSONL file of multiple-choice rows (ctx, endings, label) scored at every eval as mc_acc; '' = off"
+    )
     ckpt_every: int = setting(1000, "steps between checkpoints", domain=POSITIVE)
     keep_checkpoints: int = setting(3, "newest checkpoints kept on disk", domain=POSITIVE)
-    on_nonfinite: str = setting("stop", "on a NaN/inf loss or gradient: stop, or skip the update",
-                                choices=("stop", "skip"))
+    on_nonfinite: str = setting(
+        "stop", "on a NaN/inf loss or gradient: stop, or skip the update", choices=("stop", "skip")
+    )
     max_skips: int = setting(10, "stop after this many skipped updates in a row", domain=POSITIVE)
     seed: int = setting(1337, "seed for init and data order", domain=SEED)
     tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
@@ -257,9 +313,19 @@ class TrainConfig:
 # Quick start: measured), with a visibly falling loss: these replace the defaults there (a TOML
 # file or flag still wins).
 CPU_PROFILE: dict[str, Any] = dict(
-    preset="tiny", max_steps=300, warmup_steps=30, micro_batch=16, grad_accum=1,
-    seq_len=128, lr=2e-3, dtype="fp32", eval_every=100, eval_tokens=32768, ckpt_every=100,
-    log_every=10, out="runs/cpu",
+    preset="tiny",
+    max_steps=300,
+    warmup_steps=30,
+    micro_batch=16,
+    grad_accum=1,
+    seq_len=128,
+    lr=2e-3,
+    dtype="fp32",
+    eval_every=100,
+    eval_tokens=32768,
+    ckpt_every=100,
+    log_every=10,
+    out="runs/cpu",
 )
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -317,19 +383,27 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.grad_accum > 1:
         # CUDA-graph trees hand the backward's output buffers to .grad and overwrite them on the
         # next micro-step's replay (pytorch/pytorch#169545): accumulated gradients would be wrong.
-        raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
-                          f"got {cfg.grad_accum}: raise micro_batch instead")
+        raise ConfigError(
+            f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
+            f"got {cfg.grad_accum}: raise micro_batch instead"
+        )
     if not cfg.out.strip():  # an unset shell variable: the run would fill the current folder
         raise ConfigError("'out' is empty: give the run folder (--out DIR)")
     if cfg.parallel == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:
-        raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} uses CUDA graphs, which FSDP's per-step "
-                          "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'")
+        raise ConfigError(
+            f"'compile_mode' = {cfg.compile_mode!r} uses CUDA graphs, which FSDP's per-step "
+            "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'"
+        )
     if cfg.parallel == "fsdp" and cfg.optimizer == "muon":
-        raise ConfigError("'optimizer' = 'muon' does not run under 'parallel' = 'fsdp': Muon orthogonalizes each "
-                          "whole weight matrix, and FSDP leaves every rank only a shard of it; use 'ddp'")
+        raise ConfigError(
+            "'optimizer' = 'muon' does not run under 'parallel' = 'fsdp': Muon orthogonalizes each "
+            "whole weight matrix, and FSDP leaves every rank only a shard of it; use 'ddp'"
+        )
     if cfg.parallel == "fsdp" and cfg.dtype == "fp16":
-        raise ConfigError("'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
-                          "would check only this rank's gradient shards for overflow")
+        raise ConfigError(
+            "'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
+            "would check only this rank's gradient shards for overflow"
+        )
     profile_steps(cfg)
     if not cfg.init_from:  # a shape that cannot work fails now, not after the data is prepared
         dataclasses.replace(PRESETS[cfg.preset], **shape_keys(cfg)).check()
@@ -350,8 +424,7 @@ def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
         raise ConfigError(f"'profile' = {cfg.profile!r} is not START:END (steps, e.g. 3:5)")
     start, end = int(start), int(end)
     if not 1 <= start <= end <= cfg.max_steps:
-        raise ConfigError(f"'profile' = {cfg.profile!r} must satisfy 1 <= START <= END <= max_steps "
-                          f"({cfg.max_steps})")
+        raise ConfigError(f"'profile' = {cfg.profile!r} must satisfy 1 <= START <= END <= max_steps ({cfg.max_steps})")
     return start, end
 
 
@@ -376,17 +449,20 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainC
 
 def to_toml(cfg: TrainConfig) -> str:
     """The config as TOML (flat keys; unset shape keys left out), loadable again with --config."""
+
     def fmt(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, str):
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         return repr(v)
+
     return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
 
 
-def model_config(cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = None,
-                 doc_token: int | None = None) -> ModelConfig:
+def model_config(
+    cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = None, doc_token: int | None = None
+) -> ModelConfig:
     """The preset (or `base`, a model to start from, whose shape the keys may not change) with the
     shape keys given on top; its vocab widened to the data's when the data needs more (e.g. GPT-2
     ids in FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len.
@@ -397,8 +473,10 @@ def model_config(cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = N
             if k != "max_seq_len" and v != getattr(base, k):
                 raise ConfigError(f"'{k}' = {v!r} disagrees with the model of --init-from ({getattr(base, k)!r})")
         if data_vocab > base.vocab_size:
-            raise ConfigError(f"the data's vocab ({data_vocab}) is larger than the vocab of --init-from "
-                              f"{cfg.init_from} ({base.vocab_size}): prepare the data with its tokenizer")
+            raise ConfigError(
+                f"the data's vocab ({data_vocab}) is larger than the vocab of --init-from "
+                f"{cfg.init_from} ({base.vocab_size}): prepare the data with its tokenizer"
+            )
     m = dataclasses.replace(base or PRESETS[cfg.preset], **overrides)
     if "vocab_size" in overrides and 0 < m.vocab_size < data_vocab:
         raise ConfigError(f"'vocab_size' = {m.vocab_size} is smaller than the data's vocab ({data_vocab})")
@@ -418,35 +496,50 @@ def describe_presets() -> str:
         kv = f", {m.kv_heads} kv heads" if m.kv_heads != m.n_heads else ""
         tied = "tied" if m.tie_embeddings else "untied"
         micro, accum = PRESET_BATCH[name]
-        lines.append(f"  {name:6} {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads{kv}, ffn {m.ffn_dim}, "
-                     f"vocab {m.vocab_size or 'data'}, seq {m.max_seq_len}, {tied}: {params}; "
-                     f"batch {micro} x {accum} accum")
+        lines.append(
+            f"  {name:6} {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads{kv}, ffn {m.ffn_dim}, "
+            f"vocab {m.vocab_size or 'data'}, seq {m.max_seq_len}, {tied}: {params}; "
+            f"batch {micro} x {accum} accum"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
     """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
-    ap = ArgumentParser(prog="python -m fastpt.train", description="Pretrain a Llama-style model.",
-                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                        epilog="presets:\n" + describe_presets() + "\n\nOn a CPU the defaults become a short "
-                               "tiny-preset run: " + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()))
+    ap = ArgumentParser(
+        prog="python -m fastpt.train",
+        description="Pretrain a Llama-style model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="presets:\n" + describe_presets() + "\n\nOn a CPU the defaults become a short "
+        "tiny-preset run: " + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()),
+    )
     ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
-    ap.add_argument("--list-presets", action="version", version=describe_presets(),
-                    help="print each preset's shape and size, then exit")
+    ap.add_argument(
+        "--list-presets",
+        action="version",
+        version=describe_presets(),
+        help="print each preset's shape and size, then exit",
+    )
     flags = ["--config", "--list-presets"]
     for name, f in FIELDS.items():
         flag = "--" + name.replace("_", "-")
         flags.append(flag)
         meta = f.metadata
-        allowed = (f"; one of {', '.join(map(repr, meta['choices']))}" if meta["choices"]
-                   else f"; {meta['domain']}" if meta["domain"] else "")
+        allowed = (
+            f"; one of {', '.join(map(repr, meta['choices']))}"
+            if meta["choices"]
+            else f"; {meta['domain']}"
+            if meta["domain"]
+            else ""
+        )
         default = "" if "the preset's by default" in meta["help"] else f" (default: {f.default!r})"
         help_text = f"{meta['help']}{allowed}{default}".replace("%", "%%")
         if FIELD_TYPES[name] is bool:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
-            ap.add_argument(flag, type=FIELD_TYPES[name], default=argparse.SUPPRESS, help=help_text,
-                            metavar=name.upper())
+            ap.add_argument(
+                flag, type=FIELD_TYPES[name], default=argparse.SUPPRESS, help=help_text, metavar=name.upper()
+            )
     args, unknown = ap.parse_known_args(argv)
     if unknown:
         hint = suggest(unknown[0].split("=")[0], flags)

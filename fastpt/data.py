@@ -1,5 +1,6 @@
 """Training data: finding and checking token shards, the sources of --data, and a deterministic,
 resumable loader over their windows (fastpt/windows.py)."""
+
 from __future__ import annotations
 
 import atexit
@@ -33,8 +34,10 @@ def find_shards(folder: str | Path, split: str, data_format: str = "llmc") -> li
     says what to do for anything else (a text file, a folder of text, an interrupted prepare)."""
     folder = Path(folder)
     if folder.is_file():
-        raise DataError(f"--data {folder} is a file, not a folder of token shards: "
-                        + (prepare_hint(folder) if folder.suffix != ".bin" else "give the folder that holds it"))
+        raise DataError(
+            f"--data {folder} is a file, not a folder of token shards: "
+            + (prepare_hint(folder) if folder.suffix != ".bin" else "give the folder that holds it")
+        )
     if not folder.is_dir():
         raise DataError(f"data folder {folder} does not exist")
     if (folder / INCOMPLETE).exists():
@@ -64,8 +67,16 @@ class TrainLoader:
     The only state is the position in that stream (plus the seed).
     """
 
-    def __init__(self, windows: WindowSet, micro_batch: int, seed: int,
-                 device: torch.device, rank: int = 0, world_size: int = 1, prefetch: int = 2):
+    def __init__(
+        self,
+        windows: WindowSet,
+        micro_batch: int,
+        seed: int,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 2,
+    ):
         self.windows, self.micro_batch, self.seed = windows, micro_batch, seed
         self.rank, self.world_size = rank, world_size
         self.device = device
@@ -106,8 +117,9 @@ class TrainLoader:
     def _start(self) -> None:
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, args=(self.position, self._queue, self._stop),
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._produce, args=(self.position, self._queue, self._stop), daemon=True
+        )
         self._thread.start()
         atexit.register(self.close)  # also on an exception that skips the trainer's close()
 
@@ -137,24 +149,32 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         """Position counted in windows of the global stream, so it survives a change of split."""
-        return {"windows_consumed": self.position * self.world_size * self.micro_batch,
-                "seed": self.seed, "num_windows": len(self.windows)}
+        return {
+            "windows_consumed": self.position * self.world_size * self.micro_batch,
+            "seed": self.seed,
+            "num_windows": len(self.windows),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_windows"] != len(self.windows):
-            raise DataError(f"checkpoint's loader saw {state['num_windows']} windows, the data now has "
-                            f"{len(self.windows)}: resume with the same data, seq_len and packing")
+            raise DataError(
+                f"checkpoint's loader saw {state['num_windows']} windows, the data now has "
+                f"{len(self.windows)}: resume with the same data, seq_len and packing"
+            )
         per_micro = self.world_size * self.micro_batch
         if state["windows_consumed"] % per_micro:
-            raise DataError(f"checkpoint position {state['windows_consumed']} windows is not a multiple of "
-                            f"micro_batch x world_size = {per_micro}")
+            raise DataError(
+                f"checkpoint position {state['windows_consumed']} windows is not a multiple of "
+                f"micro_batch x world_size = {per_micro}"
+            )
         self.close()
         self.seed = state["seed"]
         self.position = state["windows_consumed"] // per_micro
 
 
-def eval_batches(windows: WindowSet, micro_batch: int, eval_tokens: int, device: torch.device,
-                 rank: int = 0, world_size: int = 1):
+def eval_batches(
+    windows: WindowSet, micro_batch: int, eval_tokens: int, device: torch.device, rank: int = 0, world_size: int = 1
+):
     """The first eval_tokens of the validation windows, in order: the same every evaluation and
     for any world size. Ranks take every world_size-th window; FSDP ranks must run the same
     forwards, so a rank that runs out repeats window 0 with its targets ignored (-100)."""
@@ -163,9 +183,9 @@ def eval_batches(windows: WindowSet, micro_batch: int, eval_tokens: int, device:
     padding = -(-n // world_size) - len(mine)
     indices = np.concatenate((mine, np.zeros(padding, dtype=mine.dtype)))
     for i in range(0, len(indices), micro_batch):
-        w = windows.gather(indices[i:i + micro_batch]).to(device)  # (B, T+1)
+        w = windows.gather(indices[i : i + micro_batch]).to(device)  # (B, T+1)
         x, y = w[:, :-1], w[:, 1:].clone()
-        y[max(0, len(mine) - i):] = -100  # the padding rows count for nothing
+        y[max(0, len(mine) - i) :] = -100  # the padding rows count for nothing
         yield Batch(x, y)
 
 
@@ -212,7 +232,7 @@ def max_token_id(path: Path, headerless: bool) -> int:
             return int(value)
     tokens = read_shard(path, headerless)
     chunk = 1 << 24
-    largest = max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
+    largest = max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
     with contextlib.suppress(OSError):  # a read-only data folder just isn't cached
         write_atomic(cache, lambda f: f.write(f"{key} {largest}".encode()))
     return largest
@@ -238,14 +258,17 @@ def doc_token(folder: str | Path, option: str) -> int:
     else:
         token = None
     if not isinstance(token, int) or isinstance(token, bool):
-        raise DataError(f"{option} needs data whose documents start with a document token, and {folder} has "
-                        "none (no meta.json with an eot_id): prepare its text with fastpt.prepare")
+        raise DataError(
+            f"{option} needs data whose documents start with a document token, and {folder} has "
+            "none (no meta.json with an eot_id): prepare its text with fastpt.prepare"
+        )
     return token
 
 
 @dataclass
 class Source:
     """One prepared dataset of --data and its sampling weight."""
+
     folder: Path
     weight: float = 1.0
 
@@ -274,21 +297,33 @@ def data_sources(spec: str) -> list[Source]:
 def common_vocab(sources: list[Source], data_format: str) -> int:
     """The data's vocab size; the sources of a mixture must share one tokenizer (and so their ids)."""
     headerless = data_format == "nanogpt"
-    vocabs = [data_vocab(s.folder, find_shards(s.folder, "train", data_format)
-                         + find_shards(s.folder, "val", data_format), headerless) for s in sources]
+    vocabs = [
+        data_vocab(
+            s.folder,
+            find_shards(s.folder, "train", data_format) + find_shards(s.folder, "val", data_format),
+            headerless,
+        )
+        for s in sources
+    ]
     first = sources[0].folder / "tokenizer.json"
     for s, vocab in zip(sources[1:], vocabs[1:]):
         other = s.folder / "tokenizer.json"
-        same = vocab == vocabs[0] and first.is_file() == other.is_file() and (
-            not first.is_file() or same_tokenizer(first, other))
+        same = (
+            vocab == vocabs[0]
+            and first.is_file() == other.is_file()
+            and (not first.is_file() or same_tokenizer(first, other))
+        )
         if not same:
-            raise DataError(f"'data' mixes {sources[0].folder} and {s.folder}, which were not prepared with the same "
-                            f"tokenizer (vocab {vocabs[0]} and {vocab}): prepare every source with one --tokenizer")
+            raise DataError(
+                f"'data' mixes {sources[0].folder} and {s.folder}, which were not prepared with the same "
+                f"tokenizer (vocab {vocabs[0]} and {vocab}): prepare every source with one --tokenizer"
+            )
     return vocabs[0]
 
 
-def open_windows(sources: list[Source], seq_len: int, packing: str, data_format: str,
-                 vocab_size: int) -> tuple[WindowSet, WindowSet]:
+def open_windows(
+    sources: list[Source], seq_len: int, packing: str, data_format: str, vocab_size: int
+) -> tuple[WindowSet, WindowSet]:
     """Train and validation windows of every source (token ids checked against the vocab); a mixture
     of them when there are several. Validation is always concat, so val_loss compares across --packing."""
     headerless = data_format == "nanogpt"
@@ -296,8 +331,11 @@ def open_windows(sources: list[Source], seq_len: int, packing: str, data_format:
     for s in sources:
         train_shards, val_shards = (find_shards(s.folder, split, data_format) for split in ("train", "val"))
         check_token_ids(train_shards + val_shards, vocab_size, headerless)
-        train.append(BosWindows(train_shards, seq_len, doc_token(s.folder, "'packing' = 'bos'"), headerless)
-                     if packing == "bos" else Windows(train_shards, seq_len, headerless))
+        train.append(
+            BosWindows(train_shards, seq_len, doc_token(s.folder, "'packing' = 'bos'"), headerless)
+            if packing == "bos"
+            else Windows(train_shards, seq_len, headerless)
+        )
         val.append(Windows(val_shards, seq_len, headerless))
     if len(sources) == 1:
         return train[0], val[0]
@@ -314,6 +352,8 @@ def describe_data(sources: list[Source], train: WindowSet, val: WindowSet) -> st
     for s, t, v, share in zip(sources, parts, vals, shares):
         mix = f" {share:.1%}" if len(sources) > 1 else ""
         drop = f", bos drops {t.dropped:.1%}" if isinstance(t, BosWindows) else ""
-        out.append(f"{s.folder}{mix}: {len(t.shards)} train shards ({sum(map(len, t.tokens)):,} tokens{drop}), "
-                   f"{len(v.shards)} val ({sum(map(len, v.tokens)):,} tokens)")
+        out.append(
+            f"{s.folder}{mix}: {len(t.shards)} train shards ({sum(map(len, t.tokens)):,} tokens{drop}), "
+            f"{len(v.shards)} val ({sum(map(len, v.tokens)):,} tokens)"
+        )
     return " + ".join(out)

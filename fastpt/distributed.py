@@ -1,6 +1,7 @@
 """torchrun integration: the process group from the environment, the model compiled and put under
 DDP or FSDP2, and the cross-rank reductions the loop needs. (Checkpoints of either layout:
 checkpoint.py.)"""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fastpt.errors import FastptError, fail
-
 
 # A collective that waits longer than this for a rank fails instead of hanging (torch's default is
 # 30 minutes for gloo, and NCCL's watchdog may never fire on a peer that is gone); long enough for
@@ -45,6 +45,9 @@ class Dist:
         return self.rank == 0
 
 
+ONE_PROCESS = Dist()  # a plain run's: nothing to reduce or sync
+
+
 def setup(device_type: str) -> Dist:
     """Join the torchrun process group (nccl on CUDA, gloo on CPU); a plain run is world size 1."""
     if "RANK" not in os.environ:
@@ -57,8 +60,13 @@ def setup(device_type: str) -> Dist:
     # read its peer's old address would fail to connect to it): one key prefix per attempt.
     store, _, _ = next(dist.rendezvous("env://", rank=d.rank, world_size=d.world_size, timeout=timeout))
     store = dist.PrefixStore(f"fastpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", store=store, rank=d.rank,
-                            world_size=d.world_size, timeout=timeout)
+    dist.init_process_group(
+        backend="nccl" if device_type == "cuda" else "gloo",
+        store=store,
+        rank=d.rank,
+        world_size=d.world_size,
+        timeout=timeout,
+    )
     d.peers = [None] * d.world_size
     dist.all_gather_object(d.peers, (socket.gethostname(), os.getpid()))
     return d
@@ -86,14 +94,19 @@ def report_lost_ranks(d: Dist):
     except RuntimeError as e:  # gloo and NCCL raise DistBackendError, a RuntimeError; older torch plain ones
         if not d.enabled or isinstance(e, FastptError):
             raise
-        dead = [f"rank {r} (pid {pid} on {host})" for r, (host, pid) in enumerate(d.peers)
-                if r != d.rank and _dead(host, pid)]
+        dead = [
+            f"rank {r} (pid {pid} on {host})"
+            for r, (host, pid) in enumerate(d.peers)
+            if r != d.rank and _dead(host, pid)
+        ]
         if not dead and not isinstance(e, dist.DistError):
             raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         who = f"{', '.join(dead)} died" if dead else "another rank stopped answering"
-        fail(f"rank {d.rank}: {who}; a collective failed ({first_line[:200]}). torchrun --max-restarts restarts "
-             "the group, which resumes from the newest complete checkpoint with --resume")
+        fail(
+            f"rank {d.rank}: {who}; a collective failed ({first_line[:200]}). torchrun --max-restarts restarts "
+            "the group, which resumes from the newest complete checkpoint with --resume"
+        )
         sys.stdout.flush()
         os._exit(1)
 
@@ -103,8 +116,9 @@ def teardown(d: Dist) -> None:
         dist.destroy_process_group()
 
 
-def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype,
-                compile_mode: str | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype, compile_mode: str | None = None
+) -> nn.Module:
     """Compile the model in place (compile_mode None: eager), then wrap it in DDP or shard it with
     FSDP2; returns what to call.
 
@@ -128,16 +142,22 @@ def parallelize(model: nn.Module, d: Dist, parallel: str, dtype: torch.dtype,
     # The RoPE tables are the only buffers and they are constants: nothing to broadcast per step.
     # torch 2.13 renamed broadcast_buffers (now deprecated, with a warning per rank) forward_sync_buffers.
     device = next(model.parameters()).device
-    no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-               else {"broadcast_buffers": False})
+    no_sync = (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in inspect.signature(DDP).parameters
+        else {"broadcast_buffers": False}
+    )
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
 
 
 def shard(model: nn.Module, dtype: torch.dtype) -> None:
     """FSDP2: one all-gather / reduce-scatter unit per TransformerBlock, then the root (embedding,
     head, final norm). bf16 runs compute in bf16 and reduce gradients in fp32."""
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if dtype == torch.bfloat16 else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if dtype == torch.bfloat16
+        else MixedPrecisionPolicy()
+    )
     # The mesh on the model's device: FSDP's default is the accelerator, even for a gloo run on CPU.
     mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for block in model.layers:

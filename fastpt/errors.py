@@ -4,12 +4,14 @@ Library code raises these (never SystemExit); each message names the file, key o
 fault. Only a command's `main` turns them into one `fastpt: error: ...` line and exit code 2
 (1 for a write the OS refused).
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Callable, NoReturn, TextIO
+from collections.abc import Callable
+from typing import NoReturn, TextIO
 
 USAGE_EXIT = 2  # a user's mistake, as argparse exits
 INTERRUPT_EXIT = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -57,8 +59,9 @@ def require(module: str, feature: str, pip_name: str | None = None):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingPackage(f"{feature} needs the {pip_name or module} package: "
-                             f"pip install {pip_name or module}") from None
+        raise MissingPackage(
+            f"{feature} needs the {pip_name or module} package: pip install {pip_name or module}"
+        ) from None
 
 
 def fail(message: str) -> None:
@@ -100,10 +103,12 @@ def print_or_drop(*args, **kwargs) -> None:
 def _interrupt_hook(previous):
     """A Ctrl-C that reaches the top of a fastpt command before its main runs (while `import torch`
     is loading, say) is one line and exit 130, not a traceback. Other programs keep `previous`."""
+
     def hook(exc_type, exc, tb):
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         if issubclass(exc_type, KeyboardInterrupt) and spec is not None and spec.name.startswith("fastpt."):
             fail("interrupted")
             os._exit(INTERRUPT_EXIT)
         previous(exc_type, exc, tb)
+
     return hook

@@ -1,5 +1,6 @@
 """Evaluation in the loop: validation loss and bits per byte over the held-out windows, and a
 multiple-choice eval (HellaSwag-style JSONL: ctx, endings, label) scored by log-likelihood."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,15 @@ def byte_table(data_dir: Path, device: torch.device) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, windows: WindowSet, cfg: TrainConfig, device: torch.device,
-             autocast: torch.autocast, d: distributed.Dist,
-             token_bytes: torch.Tensor | None = None) -> tuple[float, float | None]:
+def evaluate(
+    model: nn.Module,
+    windows: WindowSet,
+    cfg: TrainConfig,
+    device: torch.device,
+    autocast: torch.autocast,
+    d: distributed.Dist,
+    token_bytes: torch.Tensor | None = None,
+) -> tuple[float, float | None]:
     """(val_loss, val_bpb) over the first eval_tokens of the validation windows. val_bpb = the
     evaluated nats / ln 2 / the UTF-8 bytes of exactly the evaluated target tokens (every target's
     nats count, the document token's too, which has no bytes); None without token_bytes."""
@@ -55,6 +62,7 @@ def evaluate(model: nn.Module, windows: WindowSet, cfg: TrainConfig, device: tor
 @dataclass
 class Choice:
     """One ending of a multiple-choice row, as the model reads it."""
+
     tokens: list[int]  # the document token, the context, the ending (cropped on the left to fit)
     scored: int  # how many of the last tokens are the ending's, the ones scored
     nbytes: int  # UTF-8 bytes of the ending's text, what the score is normalized by
@@ -77,11 +85,15 @@ def read_mc(path: str | Path) -> list[tuple[str, list[str], int]]:
             raise DataError(f"{path}:{number}: not a JSON line ({e})") from None
         row = row if isinstance(row, dict) else {}
         ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
-        if not (isinstance(ctx, str) and isinstance(endings, list) and len(endings) >= 2
-                and all(isinstance(e, str) and e for e in endings)):
-            raise DataError(f"{path}:{number}: needs \"ctx\" (text) and \"endings\" (a list of 2 or more texts)")
+        if not (
+            isinstance(ctx, str)
+            and isinstance(endings, list)
+            and len(endings) >= 2
+            and all(isinstance(e, str) and e for e in endings)
+        ):
+            raise DataError(f'{path}:{number}: needs "ctx" (text) and "endings" (a list of 2 or more texts)')
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(endings):
-            raise DataError(f"{path}:{number}: \"label\" {label!r} is not an index into its {len(endings)} endings")
+            raise DataError(f'{path}:{number}: "label" {label!r} is not an index into its {len(endings)} endings')
         rows.append((ctx, endings, label))
     if not rows:
         raise DataError(f"'eval_mc' {path}: no rows")
@@ -109,7 +121,7 @@ class MultipleChoice:
                 raise DataError(f"'eval_mc' {path}: {e}") from None
             choices = []
             for text, ids in zip(endings, ending_ids):
-                tokens = (prefix + ctx_ids + ids)[-(seq_len + 1):]
+                tokens = (prefix + ctx_ids + ids)[-(seq_len + 1) :]
                 choices.append(Choice(tokens, min(len(ids), seq_len), len(text.encode("utf-8"))))
             self.rows.append((choices, label))
         self.length = min(seq_len, max(len(c.tokens) for choices, _ in self.rows for c in choices) - 1)
@@ -122,29 +134,28 @@ class MultipleChoice:
         y = torch.full((self.micro_batch, self.length), -100, dtype=torch.int64)
         for i, c in enumerate(choices):
             t = torch.tensor(c.tokens)
-            x[i, :len(t) - 1] = t[:-1]
-            y[i, len(t) - 1 - c.scored:len(t) - 1] = t[-c.scored:]
+            x[i, : len(t) - 1] = t[:-1]
+            y[i, len(t) - 1 - c.scored : len(t) - 1] = t[-c.scored :]
         return x.to(device), y.to(device)
 
     @torch.no_grad()
-    def accuracy(self, model: nn.Module, device: torch.device, autocast: torch.autocast,
-                 d: distributed.Dist) -> float:
-        mine = self.rows[d.rank::d.world_size]
+    def accuracy(self, model: nn.Module, device: torch.device, autocast: torch.autocast, d: distributed.Dist) -> float:
+        mine = self.rows[d.rank :: d.world_size]
         choices = [c for row, _ in mine for c in row]
-        per_rank = max(sum(len(row) for row, _ in self.rows[r::d.world_size]) for r in range(d.world_size))
+        per_rank = max(sum(len(row) for row, _ in self.rows[r :: d.world_size]) for r in range(d.world_size))
         nats = []
         model.eval()
         for i in range(0, per_rank, self.micro_batch):
-            x, y = self._batch(choices[i:i + self.micro_batch], device)  # (B, T) each
+            x, y = self._batch(choices[i : i + self.micro_batch], device)  # (B, T) each
             torch.compiler.cudagraph_mark_step_begin()
             with autocast:
                 logits = model(x).logits  # (B, T, V)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="none")  # (B*T,)
-            nats.extend(loss.view(y.shape).sum(1).tolist()[:max(0, len(choices) - i)])
+            nats.extend(loss.view(y.shape).sum(1).tolist()[: max(0, len(choices) - i)])
         model.train()
         correct, at = 0, 0
         for row, label in mine:
-            scores = [-n / c.nbytes for n, c in zip(nats[at:at + len(row)], row)]
+            scores = [-n / c.nbytes for n, c in zip(nats[at : at + len(row)], row)]
             correct += int(np.argmax(scores) == label)
             at += len(row)
         stats = torch.tensor([correct, len(mine)], dtype=torch.float64, device=device)
@@ -171,6 +182,8 @@ class Evaluator:
 
 def describe_eval(record: dict) -> str:
     """The validation line after 'Step N/M | '."""
-    return (f"val loss {record['val_loss']:.4f} | val PPL {record['val_ppl']:.2f}"
-            + (f" | val bpb {record['val_bpb']:.4f}" if record["val_bpb"] is not None else "")
-            + (f" | mc acc {record['mc_acc']:.3f}" if "mc_acc" in record else ""))
+    return (
+        f"val loss {record['val_loss']:.4f} | val PPL {record['val_ppl']:.2f}"
+        + (f" | val bpb {record['val_bpb']:.4f}" if record["val_bpb"] is not None else "")
+        + (f" | mc acc {record['mc_acc']:.3f}" if "mc_acc" in record else "")
+    )

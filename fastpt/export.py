@@ -5,6 +5,7 @@ transformers' AutoModelForCausalLM / AutoTokenizer, vLLM and lm-evaluation-harne
 the same logits as the checkpoint. It is written into a locked temporary folder and renamed when
 complete; a full disk is one line, with nothing published.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,12 @@ def check_out(out: Path, source: Path, overwrite: bool) -> None:
 def export_tokenizer(path: Path | None, vocab_size: int, ckpt_path: Path):
     """The `tokenizers` Tokenizer to export beside the model and the id fastpt starts documents
     with; (None, None), with a warning, when there is none that AutoTokenizer could load."""
+
     def weights_only(why: str):
-        print(f"fastpt: warning: {why}: exporting the weights only (pass --tokenizer FILE to include one)",
-              file=sys.stderr)
+        print(
+            f"fastpt: warning: {why}: exporting the weights only (pass --tokenizer FILE to include one)",
+            file=sys.stderr,
+        )
         return None, None
 
     if path is None:
@@ -45,13 +49,21 @@ def export_tokenizer(path: Path | None, vocab_size: int, ckpt_path: Path):
     if tok is None:
         return weights_only(f"{path} is a kind of tokenizer with no Hugging Face equivalent")
     if tok.get_vocab_size(with_added_tokens=True) > vocab_size:
-        raise DataError(f"{path} has {tok.get_vocab_size(with_added_tokens=True)} tokens, more than the model's "
-                        f"vocab of {vocab_size}: not this model's tokenizer")
+        raise DataError(
+            f"{path} has {tok.get_vocab_size(with_added_tokens=True)} tokens, more than the model's "
+            f"vocab of {vocab_size}: not this model's tokenizer"
+        )
     return tok, doc_id
 
 
-def export(source: str | Path, out: str | Path, dtype: str = "fp32", max_shard_size: str = "5GB",
-           tokenizer: str | Path | None = None, overwrite: bool = False) -> Path:
+def export(
+    source: str | Path,
+    out: str | Path,
+    dtype: str = "fp32",
+    max_shard_size: str = "5GB",
+    tokenizer: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Export the checkpoint at `source` (a file, an FSDP directory, or a run folder's newest) to
     the Hugging Face folder `out`; returns the checkpoint's path."""
     out, shard_bytes = Path(os.path.abspath(out)), hf.parse_size(max_shard_size)  # `.` has a name: its own
@@ -67,18 +79,31 @@ def export(source: str | Path, out: str | Path, dtype: str = "fp32", max_shard_s
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = ArgumentParser(prog="python -m fastpt.export", description=__doc__.splitlines()[0])
-    ap.add_argument("source", metavar="RUN_DIR_OR_CKPT",
-                    help="a run folder (its newest checkpoint), a checkpoint file or an FSDP checkpoint directory")
+    ap.add_argument(
+        "source",
+        metavar="RUN_DIR_OR_CKPT",
+        help="a run folder (its newest checkpoint), a checkpoint file or an FSDP checkpoint directory",
+    )
     ap.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                    help="weight precision (default: %(default)r: the checkpoint's own, exactly)")
-    ap.add_argument("--max-shard-size", default="5GB",
-                    help="largest safetensors file before the weights are split into shards "
-                         "(default: %(default)r)")
-    ap.add_argument("--tokenizer", default="",
-                    help="a tokenizer.json; '' = the run's, else its data folder's (default: %(default)r)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace an --out folder that is not empty (default: %(default)r)")
+    ap.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="fp32",
+        help="weight precision (default: %(default)r: the checkpoint's own, exactly)",
+    )
+    ap.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file before the weights are split into shards (default: %(default)r)",
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default="",
+        help="a tokenizer.json; '' = the run's, else its data folder's (default: %(default)r)",
+    )
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace an --out folder that is not empty (default: %(default)r)"
+    )
     return ap.parse_args(argv)
 
 

@@ -1,6 +1,7 @@
 """Crash-safe file primitives, the one home of each: atomic writes of a file and of a folder
 (publish under a temporary name), "is this output folder ours", and the OS locks (flock) that
 give a run folder or an output folder one owner."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,8 +15,9 @@ import shutil
 import signal
 import socket
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator
+from typing import IO
 
 from fastpt.errors import ConfigError, DiskError
 
@@ -97,12 +99,15 @@ def check_out(out: Path, ours: Iterable[str], marker: str, command: str, overwri
     foreign = foreign_files(out, ours)
     if foreign or not (out / marker).is_file():
         named = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ConfigError(f"--out {out} holds files that {command} did not write"
-                          + (f" ({named})" if foreign else f" (no {marker})")
-                          + ": nothing deleted; choose a new or empty folder")
+        raise ConfigError(
+            f"--out {out} holds files that {command} did not write"
+            + (f" ({named})" if foreign else f" (no {marker})")
+            + ": nothing deleted; choose a new or empty folder"
+        )
     if not overwrite:
-        raise ConfigError(f"--out {out} already holds the output of an earlier {command}: "
-                          "add --overwrite to replace it")
+        raise ConfigError(
+            f"--out {out} already holds the output of an earlier {command}: add --overwrite to replace it"
+        )
 
 
 def lock(path: Path, what: str) -> IO[str]:
@@ -116,8 +121,9 @@ def lock(path: Path, what: str) -> IO[str]:
         f.seek(0)
         owner = f.read().strip() or "another process"
         f.close()
-        raise ConfigError(f"{path.parent} is in use by another {what} ({owner}); wait for it to end "
-                          "or choose another --out") from None
+        raise ConfigError(
+            f"{path.parent} is in use by another {what} ({owner}); wait for it to end or choose another --out"
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -143,8 +149,10 @@ def lock_folder(path: Path, out: Path, command: str) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"--out {out}: another {command} is writing it (it holds {path}); "
-                              "wait for it to finish, or choose another --out") from None
+            raise ConfigError(
+                f"--out {out}: another {command} is writing it (it holds {path}); "
+                "wait for it to finish, or choose another --out"
+            ) from None
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd

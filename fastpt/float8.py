@@ -6,11 +6,12 @@ dtype, so checkpoints do not change. Only the transformer blocks' projections ar
 LM head (tied to the embedding, or `output`) stays in high precision, as do layers with a dimension
 that is not a multiple of 16, which float8 matmuls (torch._scaled_mm) cannot take.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -59,15 +60,21 @@ def check(device: torch.device) -> None:
         raise ConfigError(f"'float8' needs a CUDA GPU with compute capability >= 8.9 (got {device.type})")
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise ConfigError(f"'float8' needs compute capability >= 8.9; {torch.cuda.get_device_name(device)} "
-                          f"has {capability[0]}.{capability[1]}")
+        raise ConfigError(
+            f"'float8' needs compute capability >= 8.9; {torch.cuda.get_device_name(device)} "
+            f"has {capability[0]}.{capability[1]}"
+        )
     require_torchao()
 
 
 def convertible(module: nn.Module, fqn: str) -> bool:
     """A linear layer inside a transformer block whose dimensions float8 matmuls take."""
-    return (isinstance(module, nn.Linear) and fqn.startswith("layers.")
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return (
+        isinstance(module, nn.Linear)
+        and fqn.startswith("layers.")
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
 
 
 def convert(model: nn.Module) -> int:

@@ -6,6 +6,7 @@ then the odd ones), so that HF's rotation meets exactly the features fastpt's ro
 q.k is unchanged when q and k are permuted alike, and v and wo are untouched. Import undoes it.
 fastpt's own layout never changes. Reading and writing need only `safetensors`, not `transformers`.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,16 @@ from fastpt.files import write_error
 from fastpt.model import Transformer
 from fastpt.tokenizer import EOT
 
-__all__ = ["from_hf_config", "from_hf_state_dict", "hf_tokenizer_path", "is_hf_dir", "load_hf", "save_hf",
-           "to_hf_config", "to_hf_state_dict"]
+__all__ = [
+    "from_hf_config",
+    "from_hf_state_dict",
+    "hf_tokenizer_path",
+    "is_hf_dir",
+    "load_hf",
+    "save_hf",
+    "to_hf_config",
+    "to_hf_state_dict",
+]
 
 BLOCK_NAMES = {  # fastpt name in a block -> HF name in a decoder layer
     "attention_norm.weight": "input_layernorm.weight",
@@ -38,8 +47,16 @@ BLOCK_NAMES = {  # fastpt name in a block -> HF name in a decoder layer
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Every file an export writes: an --out holding anything else is a user's folder, never replaced.
-EXPORT_FILES = ("config.json", "generation_config.json", SINGLE_FILE, "model-*-of-*.safetensors", INDEX_FILE,
-                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+EXPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    SINGLE_FILE,
+    "model-*-of-*.safetensors",
+    INDEX_FILE,
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 # A tokenizer's end of text, first found wins; fastpt's own tokenizers have only EOT, both BOS and EOS.
 END_TOKENS = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 
@@ -78,8 +95,9 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sourc
     names = name_map(cfg)
     # Old HF checkpoints store the RoPE table; a tied model may store its head twice.
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    unknown = [k for k in tensors if k not in names.values() and k not in ignored
-               and not k.endswith("rotary_emb.inv_freq")]
+    unknown = [
+        k for k in tensors if k not in names.values() and k not in ignored and not k.endswith("rotary_emb.inv_freq")
+    ]
     if unknown:
         raise CheckpointError(f"{source}: unexpected tensor '{unknown[0]}' for a Llama of this config.json")
     state = {}
@@ -88,8 +106,9 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sourc
             raise CheckpointError(f"{source}: no tensor '{theirs}'")
         w = tensors[theirs]
         if w.shape != shapes[ours]:
-            raise CheckpointError(f"{source}: '{theirs}' has shape {list(w.shape)}, "
-                                  f"config.json says {list(shapes[ours])}")
+            raise CheckpointError(
+                f"{source}: '{theirs}' has shape {list(w.shape)}, config.json says {list(shapes[ours])}"
+            )
         state[ours] = relayout(ours, w, cfg, to_hf=False).float().contiguous()
     return state
 
@@ -98,15 +117,29 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_i
     """LlamaForCausalLM's config.json for cfg, in the long-standing layout (top-level rope_theta,
     torch_dtype) that transformers 4.x and 5.x, vLLM and lm-evaluation-harness all read."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": None, "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": DTYPE_NAMES[dtype],
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "initializer_range": 0.02, "use_cache": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
     }
 
 
@@ -114,6 +147,7 @@ def from_hf_config(c: dict, source: str) -> ModelConfig:
     """The ModelConfig of a LlamaForCausalLM config.json; anything that would make HF compute
     another function than fastpt's Llama is refused with one line naming the field.
     Absent optional fields take LlamaConfig's defaults."""
+
     def refuse(key: str, why: str):
         raise ConfigError(f"{source}: '{key}' = {json.dumps(c.get(key))} is not supported: {why}")
 
@@ -146,9 +180,14 @@ def from_hf_config(c: dict, source: str) -> ModelConfig:
     if c.get("head_dim") not in (None, dim // heads):
         refuse("head_dim", f"fastpt's head dim is hidden_size / num_attention_heads = {dim // heads}")
     cfg = ModelConfig(
-        vocab_size=positive("vocab_size"), dim=dim, ffn_dim=positive("intermediate_size"),
-        n_layers=positive("num_hidden_layers"), n_heads=heads, n_kv_heads=0 if kv_heads == heads else kv_heads,
-        max_seq_len=positive("max_position_embeddings", 2048), norm_eps=positive("rms_norm_eps", 1e-6, (int, float)),
+        vocab_size=positive("vocab_size"),
+        dim=dim,
+        ffn_dim=positive("intermediate_size"),
+        n_layers=positive("num_hidden_layers"),
+        n_heads=heads,
+        n_kv_heads=0 if kv_heads == heads else kv_heads,
+        max_seq_len=positive("max_position_embeddings", 2048),
+        norm_eps=positive("rms_norm_eps", 1e-6, (int, float)),
         rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0), (int, float)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
     )
@@ -302,13 +341,27 @@ def save_tokenizer(tok, doc_id: int | None, out: Path, max_seq_len: int) -> tupl
     special = {name: t for name, t in (("bos_token", bos), ("eos_token", eos)) if t is not None}
     write_json(out / "special_tokens_map.json", special)
     # clean_up_tokenization_spaces would rewrite " ." to "." on decode: text must come back as it went in.
-    write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", **special,
-                                               "model_max_length": max_seq_len, "clean_up_tokenization_spaces": False})
+    write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "model_max_length": max_seq_len,
+            "clean_up_tokenization_spaces": False,
+        },
+    )
     return doc_id, None if eos is None else tok.token_to_id(eos)
 
 
-def save_hf(out: Path, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-            tokenizer=None, doc_id: int | None = None, max_shard_size: int | str = "5GB") -> None:
+def save_hf(
+    out: Path,
+    cfg: ModelConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    tokenizer=None,
+    doc_id: int | None = None,
+    max_shard_size: int | str = "5GB",
+) -> None:
     """Write a LlamaForCausalLM folder into `out` (created if missing): config.json,
     generation_config.json, safetensors weights in `dtype`, and the tokenizer files when given a
     `tokenizers` Tokenizer (see hf_tokenizer) and the id fastpt starts documents with."""

@@ -1,4 +1,5 @@
 """Run metrics: metrics.jsonl always, TensorBoard and Weights & Biases on request; MFU."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,10 +21,24 @@ from fastpt.files import clear_temporaries, write_atomic
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), by a substring of the device name.
 PEAK_BF16_FLOPS = {
-    "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "H800": 989e12,
-    "GH200": 989e12, "B200": 2250e12, "A100": 312e12, "A800": 312e12, "A10G": 70e12,
-    "A10": 125e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "RTX 4090": 165e12,
-    "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
 }
 
 
@@ -94,6 +109,7 @@ def fmt_duration(seconds: float) -> str:
 @dataclass
 class Dashboard:
     """The record that metrics.jsonl gets for each log window and eval, and the line printed for it."""
+
     max_steps: int
     tokens_per_step: int  # all ranks together
     world_size: int
@@ -103,8 +119,9 @@ class Dashboard:
     z_loss: bool  # the run trains with a z-loss term: log it
     compile: bool  # the run is compiled: show recompiles
 
-    def record(self, state, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_s: float,
-               recompiles: int) -> dict:
+    def record(
+        self, state, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_s: float, recompiles: int
+    ) -> dict:
         """The record of the log window that the loop's TrainState `state` has summed, `elapsed`
         seconds of training long; reading the loss is the window's one wait for the device."""
         steps = state.window_steps
@@ -112,22 +129,34 @@ class Dashboard:
         tok_s = steps * self.tokens_per_step / elapsed
         mfu = self.flops_per_step * steps / elapsed / self.world_size / self.peak_flops if self.peak_flops else None
         record = {
-            "step": state.step, "loss": loss, "ppl": math.exp(min(loss, 20.0)), "lr": lr,
-            "grad_norm": float(grad_norm), "tok_s": tok_s, "tok_s_per_gpu": tok_s / self.world_size, "mfu": mfu,
-            "peak_mem_gib": peak_mem_gib(self.device), "data_wait_pct": 100 * data_wait_s / elapsed,
-            "tokens": state.tokens_seen, "skipped_steps": state.skipped_steps, "recompiles": recompiles,
+            "step": state.step,
+            "loss": loss,
+            "ppl": math.exp(min(loss, 20.0)),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tok_s": tok_s,
+            "tok_s_per_gpu": tok_s / self.world_size,
+            "mfu": mfu,
+            "peak_mem_gib": peak_mem_gib(self.device),
+            "data_wait_pct": 100 * data_wait_s / elapsed,
+            "tokens": state.tokens_seen,
+            "skipped_steps": state.skipped_steps,
+            "recompiles": recompiles,
         }
         if self.z_loss:
             record["z_loss"] = (state.window_z_loss / steps).item()
         return record
 
     def line(self, r: dict, eta_s: float | None) -> str:
-        return (f"Step {r['step']:5d}/{self.max_steps} | Loss: {r['loss']:.4f} | PPL: {r['ppl']:.2f} | "
-                + (f"Z: {r['z_loss']:.2e} | " if self.z_loss else "")
-                + f"LR: {r['lr']:.2e} | Norm: {r['grad_norm']:.3f} | Mem: {r['peak_mem_gib']:.2f} GiB | "
-                f"Speed: {r['tok_s']:,.0f} tok/s" + (f" | MFU: {r['mfu']:.1%}" if r["mfu"] is not None else "")
-                + (f" | Recompiles: {r['recompiles']}" if self.compile else "")
-                + f" | ETA {'after warm-up' if eta_s is None else fmt_duration(eta_s)}")
+        return (
+            f"Step {r['step']:5d}/{self.max_steps} | Loss: {r['loss']:.4f} | PPL: {r['ppl']:.2f} | "
+            + (f"Z: {r['z_loss']:.2e} | " if self.z_loss else "")
+            + f"LR: {r['lr']:.2e} | Norm: {r['grad_norm']:.3f} | Mem: {r['peak_mem_gib']:.2f} GiB | "
+            f"Speed: {r['tok_s']:,.0f} tok/s"
+            + (f" | MFU: {r['mfu']:.1%}" if r["mfu"] is not None else "")
+            + (f" | Recompiles: {r['recompiles']}" if self.compile else "")
+            + f" | ETA {'after warm-up' if eta_s is None else fmt_duration(eta_s)}"
+        )
 
 
 def rewind(path: Path, step: int) -> None:
@@ -182,8 +211,12 @@ class MetricsLogger:
 
     def _warn(self, e: OSError) -> None:
         if not self.failed:
-            print(f"fastpt: warning: could not write {self.path} ({e.strerror or e}); training goes on, "
-                  "later records may be missing", file=sys.stderr, flush=True)
+            print(
+                f"fastpt: warning: could not write {self.path} ({e.strerror or e}); training goes on, "
+                "later records may be missing",
+                file=sys.stderr,
+                flush=True,
+            )
         self.failed = True
 
     def close(self) -> None:

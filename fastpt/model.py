@@ -1,5 +1,6 @@
 """Llama-style decoder: RMSNorm, RoPE, causal SDPA attention (optional GQA; optionally within documents,
 see attention.py), SwiGLU, tied or untied head."""
+
 from __future__ import annotations
 
 import math
@@ -21,6 +22,7 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 class LogitsOutput(NamedTuple):
     """What forward returns without labels (decoding, export checks). Read it by name; it still
     unpacks as (logits, None, cache)."""
+
     logits: torch.Tensor  # (B, T, V)
     loss: None
     cache: KVCache | None  # with kv_cache: the cache extended by this call's keys and values
@@ -29,6 +31,7 @@ class LogitsOutput(NamedTuple):
 class LossOutput(NamedTuple):
     """What forward returns with labels (training, eval). `_, loss, _ = model(x, labels=y)` unpacks
     it as in the seed loop; fastpt's own code reads the fields by name."""
+
     logits: None  # never materialized: the fused loss goes from the last hidden state to the loss
     loss: torch.Tensor  # what backward takes: the mean cross-entropy plus the z-loss term
     z_loss: torch.Tensor  # the z-loss term alone, detached, for logging (0 when z_loss is 0)
@@ -147,13 +150,16 @@ class Transformer(nn.Module):
     z_loss * logsumexp^2 stabilizer to the loss; `activation_checkpointing` (none | full |
     selective, see CHECKPOINTED_BLOCKS) trades a recomputed forward for activation memory."""
 
-    def __init__(self, cfg: ModelConfig, backend: str = "auto", z_loss: float = 0.0,
-                 activation_checkpointing: str = "none"):
+    def __init__(
+        self, cfg: ModelConfig, backend: str = "auto", z_loss: float = 0.0, activation_checkpointing: str = "none"
+    ):
         super().__init__()
         cfg.check()
         if activation_checkpointing not in CHECKPOINTED_BLOCKS:
-            raise ValueError(f"activation_checkpointing must be one of {', '.join(CHECKPOINTED_BLOCKS)}, "
-                             f"got {activation_checkpointing!r}")
+            raise ValueError(
+                f"activation_checkpointing must be one of {', '.join(CHECKPOINTED_BLOCKS)}, "
+                f"got {activation_checkpointing!r}"
+            )
         self.cfg, self.backend, self.z_loss = cfg, backend, z_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         checkpointed = CHECKPOINTED_BLOCKS[activation_checkpointing]
@@ -192,15 +198,16 @@ class Transformer(nn.Module):
         """The LM head's (V, C) weight: the token embedding's when tied."""
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None) -> LogitsOutput | LossOutput:
+    def forward(
+        self, idx: torch.Tensor, labels: torch.Tensor | None = None, kv_cache: KVCache | None = None
+    ) -> LogitsOutput | LossOutput:
         """idx (B, T) -> LogitsOutput (logits (B, T, V), and the extended cache when given kv_cache);
         with labels (B, T), LossOutput (the loss and its z-loss part) instead."""
         B, T = idx.shape
         past = kv_cache[0][0].shape[2] if kv_cache else 0
         if past + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {past + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[past:past + T], self.rope_sin[past:past + T]  # (T, hd/2)
+        cos, sin = self.rope_cos[past : past + T], self.rope_sin[past : past + T]  # (T, hd/2)
         h = self.tok_embeddings(idx)  # (B, T, C)
         # Built once for all layers; decoding with a KV cache attends causally (one document: the prompt's).
         mask = document_mask(idx, self.cfg.doc_token) if self.cfg.attention == "document" and kv_cache is None else None
@@ -214,8 +221,12 @@ class Transformer(nn.Module):
         if labels is not None:
             # The fused kernel never materializes the (B*T, V) logits.
             loss = kernels.linear_cross_entropy(
-                h.flatten(0, 1), self.output_weight, labels.flatten(), z_loss=self.z_loss,
-                return_z_loss=self.z_loss > 0, backend=self.backend,
+                h.flatten(0, 1),
+                self.output_weight,
+                labels.flatten(),
+                z_loss=self.z_loss,
+                return_z_loss=self.z_loss > 0,
+                backend=self.backend,
             )
             loss, z_loss = loss if self.z_loss else (loss, loss.detach().new_zeros(()))
             return LossOutput(None, loss, z_loss)

@@ -1,5 +1,6 @@
 """AdamW in two parameter groups (optionally Muon for the blocks' matrices beside them) and the
 learning-rate schedules: the seed's warmup + cosine, warmup-stable-decay and linear."""
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,15 @@ def lr_at(step: int, peak_lr: float, warmup_steps: int, max_steps: int, min_rati
     return peak_lr * (min_ratio + (1 - min_ratio) * cosine)
 
 
-def lr_schedule(schedule: str, step: int, peak_lr: float, warmup_steps: int, max_steps: int,
-                min_ratio: float = 0.1, decay_fraction: float = 0.2) -> float:
+def lr_schedule(
+    schedule: str,
+    step: int,
+    peak_lr: float,
+    warmup_steps: int,
+    max_steps: int,
+    min_ratio: float = 0.1,
+    decay_fraction: float = 0.2,
+) -> float:
     """The LR at `step` (0-based): cosine is lr_at; wsd holds the peak after warmup, then decays
     linearly to min_ratio * peak over the last decay_fraction of max_steps; linear decays linearly
     from the end of warmup. Warmup is lr_at's in all three; flat at the floor after max_steps."""
@@ -47,8 +55,9 @@ def is_decayed(name: str, p: torch.Tensor, rule: str) -> bool:
     raise ValueError(f"decay rule must be 'ndim' or 'strict', got {rule!r}")
 
 
-def param_groups(model: nn.Module, weight_decay: float, rule: str = "ndim",
-                 skip: Callable[[str, torch.Tensor], bool] | None = None) -> list[dict]:
+def param_groups(
+    model: nn.Module, weight_decay: float, rule: str = "ndim", skip: Callable[[str, torch.Tensor], bool] | None = None
+) -> list[dict]:
     """The two AdamW groups: [decayed, not decayed]; frozen parameters, and those skip(name, p) takes
     for another optimizer, are left out."""
     decay, no_decay = [], []
@@ -61,14 +70,26 @@ def param_groups(model: nn.Module, weight_decay: float, rule: str = "ndim",
     ]
 
 
-def build_optimizer(model: nn.Module, weight_decay: float, rule: str, lr: float,
-                    betas: tuple[float, float], eps: float,
-                    skip: Callable[[str, torch.Tensor], bool] | None = None) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module,
+    weight_decay: float,
+    rule: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    skip: Callable[[str, torch.Tensor], bool] | None = None,
+) -> torch.optim.AdamW:
     """AdamW, fused into one kernel per step on devices where torch has it."""
     device = next(model.parameters()).device.type
     fused = device in ("cuda", "cpu")
-    return torch.optim.AdamW(param_groups(model, weight_decay, rule, skip), lr=lr, betas=betas,
-                             eps=eps, fused=fused, foreach=None if fused else True)
+    return torch.optim.AdamW(
+        param_groups(model, weight_decay, rule, skip),
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        fused=fused,
+        foreach=None if fused else True,
+    )
 
 
 def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
@@ -81,15 +102,27 @@ def optimizers_for(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optim
     """The run's optimizers: [the seed's grouped AdamW], or (--optimizer muon) [AdamW for the rest,
     torch.optim.Muon for the blocks' matrices]; the loop, GradScaler and checkpoints take the list.
     Muon's group carries lr_scale = muon_lr / lr: the loop sets each group's lr to the schedule's
-    value times its lr_scale (1 when absent). Muon gets no weight decay (Keller Jordan's reference and modded-nanogpt's records use none)."""
+    value times its lr_scale (1 when absent). Muon gets no weight decay (Keller Jordan's reference
+    and modded-nanogpt's records use none)."""
     with_muon = cfg.optimizer == "muon"
-    adamw = build_optimizer(model, cfg.weight_decay, cfg.decay_rule, cfg.lr, (cfg.beta1, cfg.beta2), cfg.eps,
-                            skip=is_muon_matrix if with_muon else None)
+    adamw = build_optimizer(
+        model,
+        cfg.weight_decay,
+        cfg.decay_rule,
+        cfg.lr,
+        (cfg.beta1, cfg.beta2),
+        cfg.eps,
+        skip=is_muon_matrix if with_muon else None,
+    )
     if not with_muon:
         return [adamw]
     matrices = [p for name, p in model.named_parameters() if p.requires_grad and is_muon_matrix(name, p)]
-    muon = torch.optim.Muon([{"params": matrices, "lr_scale": cfg.muon_lr / cfg.lr}], lr=cfg.muon_lr,
-                            weight_decay=0.0, momentum=cfg.muon_momentum)
+    muon = torch.optim.Muon(
+        [{"params": matrices, "lr_scale": cfg.muon_lr / cfg.lr}],
+        lr=cfg.muon_lr,
+        weight_decay=0.0,
+        momentum=cfg.muon_momentum,
+    )
     return [adamw, muon]
 
 

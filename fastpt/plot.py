@@ -2,6 +2,7 @@
 
 Panels: train and val loss vs step, the same vs tokens seen, learning rate, throughput (tok/s).
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import numpy as np
 
 from fastpt.errors import ArgumentParser, DataError, DiskError, require, run_command
 from fastpt.files import os_reason, write_atomic
-
 
 NUMBER = (int, float)
 TRAIN_FIELDS, VAL_FIELDS = ("loss", "tokens", "lr", "tok_s"), ("val_loss",)
@@ -71,10 +71,12 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     train, val, skipped = read_metrics(run_dir)
     if skipped:
-        print(f"fastpt: warning: {run_dir / 'metrics.jsonl'}: skipped {len(skipped)} damaged line"
-              f"{'s' if len(skipped) > 1 else ''} (line {', '.join(map(str, skipped[:3]))}"
-              f"{', ...' if len(skipped) > 3 else ''}); plotted {len(train)} train and {len(val)} eval records",
-              file=sys.stderr)
+        print(
+            f"fastpt: warning: {run_dir / 'metrics.jsonl'}: skipped {len(skipped)} damaged line"
+            f"{'s' if len(skipped) > 1 else ''} (line {', '.join(map(str, skipped[:3]))}"
+            f"{', ...' if len(skipped) > 3 else ''}); plotted {len(train)} train and {len(val)} eval records",
+            file=sys.stderr,
+        )
     steps = np.array([r["step"] for r in train])
     tokens = np.array([r["tokens"] for r in train])
     val_steps = np.array([r["step"] for r in val])

@@ -5,6 +5,7 @@ python -m fastpt.prepare [INPUT ...] --out DIR [--tokenizer bpe|bytes|char|FILE|
 With no INPUT the corpus is the running interpreter's standard-library .py sources:
 real text that every machine has, so nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,10 @@ import sysconfig
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -122,8 +123,9 @@ def encode_all(items: Iterable, tokenizer_json: str, workers: int) -> Iterator[t
         _init_worker(tokenizer_json, pooled=False)
         yield from map(encode, items)
         return
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_init_worker,
-                               initargs=(tokenizer_json, True))
+    pool = ProcessPoolExecutor(
+        workers, multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(tokenizer_json, True)
+    )
     try:
         pending: deque = deque()
         for item in items:
@@ -133,14 +135,16 @@ def encode_all(items: Iterable, tokenizer_json: str, workers: int) -> Iterator[t
         while pending:
             yield pending.popleft().result()
     except BrokenProcessPool:
-        raise ConfigError(f"a tokenizer process died (killed for lack of memory?): "
-                          f"try --workers below {workers}") from None
+        raise ConfigError(
+            f"a tokenizer process died (killed for lack of memory?): try --workers below {workers}"
+        ) from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: int, workers: int,
-             shard_tokens: int) -> tuple[list[Path], int, int]:
+def tokenize(
+    sources: list[Source], text_field: str, folder: Path, vocab_size: int, workers: int, shard_tokens: int
+) -> tuple[list[Path], int, int]:
     """Every document into train shards, written as they fill, by the tokenizer saved in `folder`;
     returns (shards, documents, text bytes)."""
     tokenizer_json = (folder / "tokenizer.json").read_text(encoding="utf-8")
@@ -148,8 +152,14 @@ def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: i
     docs = nbytes = 0
     # a terminal gets a live bar; a log file one progress line every 30 s (none for a shorter run)
     log_interval = 0 if sys.stderr.isatty() else 30
-    with tqdm(desc="tokenize", unit="B", unit_scale=True, unit_divisor=1024, mininterval=log_interval or 0.1,
-              delay=log_interval) as bar:
+    with tqdm(
+        desc="tokenize",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        mininterval=log_interval or 0.1,
+        delay=log_interval,
+    ) as bar:
         for tokens, n, d in encode_all(batches(documents(sources, text_field)), tokenizer_json, workers):
             writer.write(tokens)
             docs, nbytes = docs + d, nbytes + n
@@ -158,8 +168,9 @@ def tokenize(sources: list[Source], text_field: str, folder: Path, vocab_size: i
     return writer.close(), docs, nbytes
 
 
-def hold_out_val(train: list[Path], total: int, val_fraction: float, folder: Path, vocab_size: int,
-                 shard_tokens: int) -> tuple[list[Path], list[Path]]:
+def hold_out_val(
+    train: list[Path], total: int, val_fraction: float, folder: Path, vocab_size: int, shard_tokens: int
+) -> tuple[list[Path], list[Path]]:
     """Move the tail of the token stream to val: val_fraction of it, at least one eval window,
     at most MAX_VAL_FRACTION."""
     n_val = min(max(round(total * val_fraction), MIN_VAL_TOKENS), int(total * MAX_VAL_FRACTION))
@@ -180,8 +191,9 @@ def text_sample(sources: list[Source], text_field: str, mb: float) -> Iterator[s
         yield text
 
 
-def check_options(tokenizer: str, vocab_size: int, val_fraction: float, workers: int, shard_tokens: int,
-                  tokenizer_sample_mb: float) -> None:
+def check_options(
+    tokenizer: str, vocab_size: int, val_fraction: float, workers: int, shard_tokens: int, tokenizer_sample_mb: float
+) -> None:
     if tokenizer == "bpe" and not 257 <= vocab_size <= MAX_VOCAB:
         raise ConfigError(f"--vocab-size {vocab_size}: must be 257 (256 bytes + end-of-text) to {MAX_VOCAB:,}")
     if not 0 < val_fraction <= MAX_VAL_FRACTION:
@@ -198,10 +210,20 @@ def all_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", vocab_size: int = 32000, *,
-            hf_dataset: str | None = None, text_field: str = "text", val_fraction: float = VAL_FRACTION,
-            workers: int = 0, shard_tokens: int = SHARD_TOKENS, tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
-            overwrite: bool = False) -> dict:
+def prepare(
+    inputs: list[str | Path],
+    out: str | Path,
+    tokenizer: str = "bpe",
+    vocab_size: int = 32000,
+    *,
+    hf_dataset: str | None = None,
+    text_field: str = "text",
+    val_fraction: float = VAL_FRACTION,
+    workers: int = 0,
+    shard_tokens: int = SHARD_TOKENS,
+    tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
+    overwrite: bool = False,
+) -> dict:
     """Tokenize `inputs` (files, folders, globs; plus a Hub dataset) into train/val shards in `out`,
     with tokenizer.json and meta.json; written into a locked temporary folder, renamed when complete."""
     out = Path(os.path.abspath(out))  # `--out .` or `x/..` have a name to put the temporary folder beside
@@ -220,11 +242,18 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
         shards, docs, nbytes = tokenize(sources, text_field, tmp, tok.vocab_size, workers, shard_tokens)
         train, val = hold_out_val(shards, count_tokens(shards), val_fraction, tmp, tok.vocab_size, shard_tokens)
         meta = {
-            "format": "fastpt", "tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
+            "format": "fastpt",
+            "tokenizer": tokenizer,
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
             "tokens": {"train": count_tokens(train), "val": count_tokens(val)},
             "shards": {"train": len(train), "val": len(val)},
-            "documents": docs, "text_bytes": nbytes, "sources": len(sources), "text_field": text_field,
-            "val_fraction": val_fraction, "workers": workers,
+            "documents": docs,
+            "text_bytes": nbytes,
+            "sources": len(sources),
+            "text_field": text_field,
+            "val_fraction": val_fraction,
+            "workers": workers,
             "seconds": {"tokenizer": tokenizer_s, "tokenize": round(time.perf_counter() - start - tokenizer_s, 3)},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -234,7 +263,8 @@ def prepare(inputs: list[str | Path], out: str | Path, tokenizer: str = "bpe", v
 
 def cache_dir() -> Path:
     root = os.environ.get("FASTPT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastpt")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fastpt"
+    )
     return Path(root)
 
 
@@ -249,8 +279,16 @@ def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
     else:  # named by content: another model's tokenizer.json under the same path is another corpus
         content = Path(tokenizer).read_bytes()
         out, kind = cache_dir() / f"stdlib-{version}-tok{hashlib.sha256(content).hexdigest()[:16]}", str(tokenizer)
-        out = next((c for c in sorted(cache_dir().glob(f"stdlib-{version}-*")) if (c / "meta.json").is_file()
-                    and (c / "tokenizer.json").is_file() and (c / "tokenizer.json").read_bytes() == content), out)
+        out = next(
+            (
+                c
+                for c in sorted(cache_dir().glob(f"stdlib-{version}-*"))
+                if (c / "meta.json").is_file()
+                and (c / "tokenizer.json").is_file()
+                and (c / "tokenizer.json").read_bytes() == content
+            ),
+            out,
+        )
     if not (out / "meta.json").is_file():
         print(f"preparing the default corpus (Python stdlib sources) into {out} (once)", flush=True)
         # in this process: the trainer has imported torch, and spawned workers would import it again
@@ -260,22 +298,40 @@ def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.splitlines()[0])
-    ap.add_argument("inputs", nargs="*", help="text, .jsonl/.json(.gz/.zst), .parquet files, folders, globs, "
-                                              "saved Hugging Face datasets (default: the Python stdlib sources)")
+    ap.add_argument(
+        "inputs",
+        nargs="*",
+        help="text, .jsonl/.json(.gz/.zst), .parquet files, folders, globs, "
+        "saved Hugging Face datasets (default: the Python stdlib sources)",
+    )
     ap.add_argument("--out", required=True, help="output folder for shards, tokenizer.json, meta.json")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace a dataset already in --out (default: %(default)s)")
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace a dataset already in --out (default: %(default)s)"
+    )
     ap.add_argument("--tokenizer", default="bpe", help=f"{KINDS} (default: %(default)s)")
     ap.add_argument("--vocab-size", type=int, default=32000, help="BPE vocabulary size (default: %(default)s)")
-    ap.add_argument("--tokenizer-sample", type=float, default=TOKENIZER_SAMPLE_MB, metavar="MB",
-                    help="bpe and char learn from the corpus's first MB megabytes (default: %(default)s)")
-    ap.add_argument("--hf-dataset", metavar="NAME[:CONFIG][:SPLIT]",
-                    help="also stream this Hugging Face Hub dataset (default: %(default)s)")
-    ap.add_argument("--text-field", default="text",
-                    help="JSONL field / parquet or dataset column (default: %(default)s)")
-    ap.add_argument("--val-fraction", type=float, default=VAL_FRACTION,
-                    help=f"tail of the tokens held out for validation, at most {MAX_VAL_FRACTION} "
-                         f"(default: %(default)s, at least {MIN_VAL_TOKENS} tokens)")
+    ap.add_argument(
+        "--tokenizer-sample",
+        type=float,
+        default=TOKENIZER_SAMPLE_MB,
+        metavar="MB",
+        help="bpe and char learn from the corpus's first MB megabytes (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--hf-dataset",
+        metavar="NAME[:CONFIG][:SPLIT]",
+        help="also stream this Hugging Face Hub dataset (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--text-field", default="text", help="JSONL field / parquet or dataset column (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--val-fraction",
+        type=float,
+        default=VAL_FRACTION,
+        help=f"tail of the tokens held out for validation, at most {MAX_VAL_FRACTION} "
+        f"(default: %(default)s, at least {MIN_VAL_TOKENS} tokens)",
+    )
     ap.add_argument("--workers", type=int, default=0, help="tokenizer processes; 0 = all cores (default: %(default)s)")
     ap.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard (default: %(default)s)")
     return ap.parse_args(argv)
@@ -284,14 +340,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     inputs = args.inputs or ([] if args.hf_dataset else stdlib_sources())
-    meta = prepare(inputs, args.out, args.tokenizer, args.vocab_size, hf_dataset=args.hf_dataset,
-                   text_field=args.text_field, val_fraction=args.val_fraction, workers=args.workers,
-                   shard_tokens=args.shard_tokens, tokenizer_sample_mb=args.tokenizer_sample,
-                   overwrite=args.overwrite)
+    meta = prepare(
+        inputs,
+        args.out,
+        args.tokenizer,
+        args.vocab_size,
+        hf_dataset=args.hf_dataset,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        tokenizer_sample_mb=args.tokenizer_sample,
+        overwrite=args.overwrite,
+    )
     seconds = max(meta["seconds"]["tokenize"], 1e-3)
-    print(f"wrote {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
-          f"(vocab {meta['vocab_size']}, {meta['documents']:,} documents) to {args.out}; tokenized "
-          f"{meta['text_bytes'] / 2**20:,.1f} MB in {seconds:.1f} s ({meta['text_bytes'] / 2**20 / seconds:.1f} MB/s)")
+    print(
+        f"wrote {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
+        f"(vocab {meta['vocab_size']}, {meta['documents']:,} documents) to {args.out}; tokenized "
+        f"{meta['text_bytes'] / 2**20:,.1f} MB in {seconds:.1f} s ({meta['text_bytes'] / 2**20 / seconds:.1f} MB/s)"
+    )
 
 
 if __name__ == "__main__":

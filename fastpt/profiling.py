@@ -4,12 +4,13 @@ snapshots), the graphs torch.compile builds after warm-up, and CUDA graphs it sk
 Trace files open in https://ui.perfetto.dev (or chrome://tracing) and in TensorBoard's profiler
 plugin; memory snapshots in https://pytorch.org/memory_viz.
 """
+
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
@@ -18,12 +19,14 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_fun
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far."""
     from torch._dynamo.utils import counters
+
     return counters["stats"]["unique_graphs"]
 
 
 def skipped_cuda_graphs() -> int:
     """Compiled graphs that Inductor ran without the CUDA graphs their mode asked for."""
     from torch._dynamo.utils import counters
+
     return counters["inductor"]["cudagraph_skips"]
 
 
@@ -33,8 +36,14 @@ class StepProbe:
     graphs were asked for but skipped, and records steps START..END with torch.profiler into
     out_dir: a Chrome / TensorBoard trace per rank, and on CUDA a memory snapshot."""
 
-    def __init__(self, steps: tuple[int, int] | None, out_dir: Path, device: torch.device, rank: int = 0,
-                 cuda_graphs: bool = False):
+    def __init__(
+        self,
+        steps: tuple[int, int] | None,
+        out_dir: Path,
+        device: torch.device,
+        rank: int = 0,
+        cuda_graphs: bool = False,
+    ):
         self.steps, self.out_dir, self.device, self.rank = steps, Path(out_dir), device, rank
         self.cuda_graphs = cuda_graphs  # the compile mode asked for CUDA graphs
         self.warm = False  # past this process's first step, which compiles
@@ -84,8 +93,9 @@ class StepProbe:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         # with_stack off: Python stacks make the trace many times larger and slow the recorded steps.
         # A schedule (record every step) makes step() mark ProfilerStep#N ranges, numbered as ours.
-        self.profiler = profile(activities=activities, record_shapes=True, with_stack=False,
-                                schedule=lambda _: ProfilerAction.RECORD)
+        self.profiler = profile(
+            activities=activities, record_shapes=True, with_stack=False, schedule=lambda _: ProfilerAction.RECORD
+        )
         self.profiler.step_num = self.steps[0]
         self.profiler.start()
 
@@ -93,5 +103,9 @@ class StepProbe:
         skipped = skipped_cuda_graphs() if self.cuda_graphs else 0
         if skipped and self.rank == 0:
             why = "they need a CUDA device" if self.device.type != "cuda" else "TORCH_LOGS=perf_hints says why"
-            print(f"fastpt: warning: the compile mode asks for CUDA graphs, but torch.compile ran {skipped} "
-                  f"graph(s) without them ({why})", file=sys.stderr, flush=True)
+            print(
+                f"fastpt: warning: the compile mode asks for CUDA graphs, but torch.compile ran {skipped} "
+                f"graph(s) without them ({why})",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -3,6 +3,7 @@
 The prompt is prefilled into the model's KV cache in one forward pass, then tokens are decoded
 one at a time, each step attending to the cached keys and values instead of the whole text.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,14 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int) -> int:
 
 
 @torch.no_grad()
-def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 200, vocab: int | None = None) -> list[int]:
+def generate(
+    model: Transformer,
+    ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 200,
+    vocab: int | None = None,
+) -> list[int]:
     """Return ids followed by max_new_tokens generated tokens (model may be torch.compile'd); ids
     from `vocab` up (a preset's embedding rows beyond the tokenizer's) are never drawn."""
     device = model.output_weight.device
@@ -41,7 +48,7 @@ def generate(model: Transformer, ids: list[int], max_new_tokens: int, temperatur
     for _ in range(max_new_tokens):
         if cache is None or cache[0][0].shape[2] == window:
             # RoPE positions are absolute, so a full cache cannot slide: refill it from the last half window.
-            context = out[-(window if cache is None else window // 2):]
+            context = out[-(window if cache is None else window // 2) :]
             step = model(torch.tensor([context], device=device), kv_cache=[])
         else:
             step = model(torch.tensor([out[-1:]], device=device), kv_cache=cache)
@@ -72,26 +79,43 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = ArgumentParser(prog="python -m fastpt.sample", description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", required=True, metavar="PATH",
-                    help="a run folder (its newest checkpoint), a checkpoint file or FSDP directory, "
-                         "or a Hugging Face Llama folder")
+    ap.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="PATH",
+        help="a run folder (its newest checkpoint), a checkpoint file or FSDP directory, "
+        "or a Hugging Face Llama folder",
+    )
     ap.add_argument("--prompt", default="", help="text to continue; '' = start a new document (default: %(default)r)")
     ap.add_argument("--num-samples", type=int, default=1, help="samples to draw (default: %(default)r)")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: %(default)r)")
-    ap.add_argument("--temperature", type=float, default=0.8,
-                    help="softmax temperature; 0 = greedy (default: %(default)r)")
-    ap.add_argument("--top-k", type=int, default=200,
-                    help="sample among the k most likely tokens; 0 = all (default: %(default)r)")
-    ap.add_argument("--tokenizer", default="",
-                    help="a tokenizer.json; '' = the one beside the model, else the run's data folder's "
-                         "(default: %(default)r)")
-    ap.add_argument("--device", choices=("", "cpu", "cuda"), default="",
-                    help="'' = cuda if available, else cpu (default: %(default)r)")
+    ap.add_argument(
+        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: %(default)r)"
+    )
+    ap.add_argument(
+        "--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all (default: %(default)r)"
+    )
+    ap.add_argument(
+        "--tokenizer",
+        default="",
+        help="a tokenizer.json; '' = the one beside the model, else the run's data folder's (default: %(default)r)",
+    )
+    ap.add_argument(
+        "--device",
+        choices=("", "cpu", "cuda"),
+        default="",
+        help="'' = cuda if available, else cpu (default: %(default)r)",
+    )
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (default: %(default)r)")
     ap.add_argument("--seed", type=int, default=1337, help="random seed for sampling (default: %(default)r)")
     args = ap.parse_args(argv)
-    limits = {"num_samples": POSITIVE, "max_new_tokens": POSITIVE, "temperature": NON_NEGATIVE,
-              "top_k": NON_NEGATIVE, "seed": SEED}
+    limits = {
+        "num_samples": POSITIVE,
+        "max_new_tokens": POSITIVE,
+        "temperature": NON_NEGATIVE,
+        "top_k": NON_NEGATIVE,
+        "seed": SEED,
+    }
     for name, domain in limits.items():
         if getattr(args, name) not in domain:
             raise ConfigError(f"'--{name.replace('_', '-')}' must be {domain}, got {getattr(args, name)!r}")
@@ -105,8 +129,10 @@ def run(args: argparse.Namespace) -> None:
     model, found, about = open_model(Path(args.ckpt), device)
     tokenizer_path = pick_tokenizer_path(args.tokenizer, found)
     if tokenizer_path is None:
-        raise DataError(f"no tokenizer.json beside {args.ckpt} or in its data folder; pass --tokenizer FILE "
-                        "(a tokenizer.json from fastpt.prepare or Hugging Face)")
+        raise DataError(
+            f"no tokenizer.json beside {args.ckpt} or in its data folder; pass --tokenizer FILE "
+            "(a tokenizer.json from fastpt.prepare or Hugging Face)"
+        )
     tokenizer = load_tokenizer(tokenizer_path)
     print(f"{about}, on {device}", file=sys.stderr)
 
@@ -115,16 +141,21 @@ def run(args: argparse.Namespace) -> None:
     if not ids:
         raise DataError(f"{tokenizer_path} has no token to start a document with; give --prompt")
     if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise DataError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab of "
-                        f"{model.cfg.vocab_size}: not this model's tokenizer")
+        raise DataError(
+            f"{tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab of "
+            f"{model.cfg.vocab_size}: not this model's tokenizer"
+        )
     torch.manual_seed(args.seed)
     # Every decode step has a new cache length: dynamic shapes compile once instead of once per length.
     forward = torch.compile(model, dynamic=True) if args.compile else model
     for i in range(args.num_samples):
         if i:
             print("-" * 40)
-        print(tokenizer.decode(generate(forward, ids, args.max_new_tokens, args.temperature, args.top_k,
-                                        tokenizer.vocab_size)))
+        print(
+            tokenizer.decode(
+                generate(forward, ids, args.max_new_tokens, args.temperature, args.top_k, tokenizer.vocab_size)
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ A shard is a 256 x int32 little-endian header (magic, version, token count, voca
 the tokens as uint16 (magic 20240520) or uint32 (magic 20240801). Numpy only: the prepare
 workers import this, and never torch.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -71,8 +72,10 @@ def read_header(path: Path) -> tuple[np.dtype, int, int]:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
     magic, version, count, vocab = (int(v) for v in header[:4])
     if magic not in FORMATS:
-        raise DataError(f"{path}: bad magic {magic} (expected 20240520 or 20240801; "
-                        "a headerless nanoGPT .bin needs data_format = 'nanogpt')")
+        raise DataError(
+            f"{path}: bad magic {magic} (expected 20240520 or 20240801; "
+            "a headerless nanoGPT .bin needs data_format = 'nanogpt')"
+        )
     want_version, dtype = FORMATS[magic]
     if version != want_version:
         raise DataError(f"{path}: version {version} does not match magic {magic} (expected {want_version})")
@@ -80,8 +83,10 @@ def read_header(path: Path) -> tuple[np.dtype, int, int]:
         raise DataError(f"{path}: header vocab size {vocab} is not plausible (0 to {MAX_VOCAB:,}): a corrupt header")
     itemsize = np.dtype(dtype).itemsize
     if size != HEADER_BYTES + count * itemsize:
-        raise DataError(f"{path}: header says {count} tokens ({HEADER_BYTES + count * itemsize} bytes) "
-                        f"but the file has {size} bytes (truncated or corrupt)")
+        raise DataError(
+            f"{path}: header says {count} tokens ({HEADER_BYTES + count * itemsize} bytes) "
+            f"but the file has {size} bytes (truncated or corrupt)"
+        )
     return np.dtype(dtype).newbyteorder("<"), count, vocab
 
 
@@ -148,7 +153,7 @@ class ShardWriter:
                 self.paths.append(self.folder / f"{self.split}_{len(self.paths):06d}.bin")
                 self._file = open(self.paths[-1], "wb")
                 self._file.write(_header(self.dtype, 0, self.vocab_size))  # count filled in when full
-            part, tokens = tokens[:self.shard_tokens - self._count], tokens[self.shard_tokens - self._count:]
+            part, tokens = tokens[: self.shard_tokens - self._count], tokens[self.shard_tokens - self._count :]
             self._file.write(part.tobytes())
             self._count += part.size
             self.total += part.size
@@ -182,7 +187,7 @@ def move_tail(paths: list[Path], n: int, dest: ShardWriter) -> list[Path]:
     for path, start in reversed(cuts):
         tokens = read_shard(path)
         for i in range(start, len(tokens), chunk):
-            dest.write(np.array(tokens[i:min(i + chunk, len(tokens))]))
+            dest.write(np.array(tokens[i : min(i + chunk, len(tokens))]))
         del tokens
         if start == 0:
             path.unlink()

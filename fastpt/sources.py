@@ -6,6 +6,7 @@ newline), records are read a batch at a time. A file that is none of these (NUL 
 binary magic) is refused, naming it, before any work starts; a compressed or parquet file found
 damaged while reading is an error naming it and where it broke, never a shorter corpus.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -14,9 +15,9 @@ import io
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from fastpt.errors import DataError, FastptError, require
 
@@ -24,10 +25,17 @@ PIECE_BYTES = 1 << 20  # a text file is tokenized in pieces of this size, cut af
 SNIFF_BYTES = 8192
 JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 BINARY_MAGIC = {
-    b"PAR1": "a parquet file (name it .parquet)", b"ARROW1": "an Arrow file", b"PK\x03\x04": "a zip archive",
-    b"\x1f\x8b": "gzip data (name it .gz)", b"\x28\xb5\x2f\xfd": "zstd data (name it .zst)",
-    b"\x7fELF": "an executable", b"%PDF": "a PDF", b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image",
-    b"GIF8": "a GIF image", b"\x93NUMPY": "a numpy array",
+    b"PAR1": "a parquet file (name it .parquet)",
+    b"ARROW1": "an Arrow file",
+    b"PK\x03\x04": "a zip archive",
+    b"\x1f\x8b": "gzip data (name it .gz)",
+    b"\x28\xb5\x2f\xfd": "zstd data (name it .zst)",
+    b"\x7fELF": "an executable",
+    b"%PDF": "a PDF",
+    b"\x89PNG": "a PNG image",
+    b"\xff\xd8\xff": "a JPEG image",
+    b"GIF8": "a GIF image",
+    b"\x93NUMPY": "a numpy array",
 }
 
 
@@ -47,6 +55,7 @@ class Decompressed(io.RawIOBase):
     def __init__(self, path: Path):
         self.path, self.format = path, {".gz": "gzip", ".zst": "zstd"}[path.suffix]
         self.zstd = require("zstandard", f"reading {path}") if self.format == "zstd" else None
+        self.errors = (zlib.error, self.zstd.ZstdError) if self.zstd else (zlib.error,)  # what a damaged frame raises
         self.file = open(path, "rb")
         self.decoder, self.fresh = self._decoder(), True  # fresh: no byte of the current frame seen yet
         self.out, self.pos, self.offset = b"", 0, 0  # decompressed bytes, how many handed out; bytes read
@@ -62,13 +71,15 @@ class Decompressed(io.RawIOBase):
             chunk = self.file.read(self.CHUNK)
             if not chunk:
                 if not self.fresh:
-                    raise DataError(f"{self.path}: truncated {self.format} data: it ends inside a compressed "
-                                    f"frame at byte {self.offset:,} (an incomplete download or copy?)")
+                    raise DataError(
+                        f"{self.path}: truncated {self.format} data: it ends inside a compressed "
+                        f"frame at byte {self.offset:,} (an incomplete download or copy?)"
+                    )
                 return 0
             self.out, self.pos = self._feed(chunk), 0
             self.offset += len(chunk)
         n = min(len(buffer), len(self.out) - self.pos)
-        buffer[:n] = self.out[self.pos:self.pos + n]
+        buffer[:n] = self.out[self.pos : self.pos + n]
         self.pos += n
         return n
 
@@ -78,9 +89,11 @@ class Decompressed(io.RawIOBase):
         while data:
             try:
                 parts.append(self.decoder.decompress(data))
-            except (zlib.error, *((self.zstd.ZstdError,) if self.zstd else ())) as e:
-                raise DataError(f"{self.path}: corrupt {self.format} data between bytes {self.offset:,} and "
-                                f"{self.offset + self.CHUNK:,} ({e})") from None
+            except self.errors as e:
+                raise DataError(
+                    f"{self.path}: corrupt {self.format} data between bytes {self.offset:,} and "
+                    f"{self.offset + self.CHUNK:,} ({e})"
+                ) from None
             self.fresh = False
             if not self.decoder.eof:
                 break
@@ -119,8 +132,10 @@ def _check_text(path: Path) -> None:
         raise DataError(f"{path}: cannot read ({e})") from None
     what = next((name for magic, name in BINARY_MAGIC.items() if head.startswith(magic)), None)
     if what or b"\0" in head:
-        raise DataError(f"{path}: not text ({what or 'NUL bytes: binary, or not UTF-8'}); fastpt.prepare reads "
-                        "text, .jsonl/.json (.gz/.zst), .parquet and Hugging Face datasets")
+        raise DataError(
+            f"{path}: not text ({what or 'NUL bytes: binary, or not UTF-8'}); fastpt.prepare reads "
+            "text, .jsonl/.json (.gz/.zst), .parquet and Hugging Face datasets"
+        )
 
 
 def _source(path: Path) -> Source:
@@ -214,8 +229,9 @@ TEXT_TYPES = ("string", "large_string", "string_view")  # Arrow's (and datasets'
 
 def _check_text_column(type_name: str, field: str, where: str | Path) -> None:
     if type_name not in TEXT_TYPES:
-        raise DataError(f"{where}: column {field!r} holds {type_name}, not text; choose the text column with "
-                        "--text-field")
+        raise DataError(
+            f"{where}: column {field!r} holds {type_name}, not text; choose the text column with --text-field"
+        )
 
 
 def _parquet_docs(path: Path, field: str) -> Iterator[str | None]:
@@ -223,11 +239,14 @@ def _parquet_docs(path: Path, field: str) -> Iterator[str | None]:
     try:
         table = pq.ParquetFile(path, page_checksum_verification=True)  # where the writer stored them
     except Exception as e:  # no footer: cut short, or not parquet at all
-        raise DataError(f"{path}: not a readable parquet file, truncated or corrupt "
-                        f"({type(e).__name__}: {e})") from None
+        raise DataError(
+            f"{path}: not a readable parquet file, truncated or corrupt ({type(e).__name__}: {e})"
+        ) from None
     if field not in table.schema_arrow.names:
-        raise DataError(f"{path}: no {field!r} column (it has {', '.join(table.schema_arrow.names)}); "
-                        "choose the text column with --text-field")
+        raise DataError(
+            f"{path}: no {field!r} column (it has {', '.join(table.schema_arrow.names)}); "
+            "choose the text column with --text-field"
+        )
     _check_text_column(str(table.schema_arrow.field(field).type), field, path)
     rows = 0
     try:
@@ -235,14 +254,17 @@ def _parquet_docs(path: Path, field: str) -> Iterator[str | None]:
             yield from batch.column(0).to_pylist()
             rows += batch.num_rows
     except Exception as e:  # a damaged page or row group: say where, never end the file early
-        raise DataError(f"{path}: corrupt data after row {rows:,} of {table.metadata.num_rows:,} "
-                        f"({type(e).__name__}: {e})") from None
+        raise DataError(
+            f"{path}: corrupt data after row {rows:,} of {table.metadata.num_rows:,} ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _dataset_docs(ds, field: str, where: str) -> Iterator[str | None]:
     if field not in ds.column_names:
-        raise DataError(f"{where}: no {field!r} column (it has {', '.join(ds.column_names)}); "
-                        "choose the text column with --text-field")
+        raise DataError(
+            f"{where}: no {field!r} column (it has {', '.join(ds.column_names)}); "
+            "choose the text column with --text-field"
+        )
     _check_text_column(getattr(ds.features[field], "dtype", type(ds.features[field]).__name__), field, where)
     for batch in ds.select_columns([field]).iter(batch_size=1024):
         yield from batch[field]
@@ -254,8 +276,9 @@ def _saved_docs(path: Path, field: str) -> Iterator[str | None]:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds and len(ds) != 1:
-            raise DataError(f"{path}: a DatasetDict without a train split (it has {', '.join(ds)}); "
-                            "save the split to use by itself")
+            raise DataError(
+                f"{path}: a DatasetDict without a train split (it has {', '.join(ds)}); save the split to use by itself"
+            )
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
     yield from _dataset_docs(ds, field, str(path))
 

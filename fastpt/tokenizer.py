@@ -7,6 +7,7 @@ tokens added), `decode(ids) -> str` (special ids and ids outside the vocab are s
 error), `eot_id` (the token that starts every document, or None), `vocab_size` and
 `token_bytes()` (the UTF-8 bytes of each id's text, 0 for special ids: what bits per byte divide by).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ import pickle
 import re
 import shutil
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from fastpt.errors import DataError, FastptError, require
 
@@ -60,7 +61,7 @@ class CharTokenizer:
         self.vocab_size = len(chars) + eot
 
     @classmethod
-    def train(cls, texts: Iterable[str]) -> "CharTokenizer":
+    def train(cls, texts: Iterable[str]) -> CharTokenizer:
         seen: set[str] = set()
         for t in texts:
             seen.update(t)
@@ -70,8 +71,10 @@ class CharTokenizer:
         try:
             return [[self.index[c] for c in t] for t in texts]
         except KeyError as e:
-            raise DataError(f"character {e.args[0]!r} (U+{ord(e.args[0]):04X}) is not in the char vocabulary, "
-                            "which was built from a sample of the corpus: raise --tokenizer-sample") from None
+            raise DataError(
+                f"character {e.args[0]!r} (U+{ord(e.args[0]):04X}) is not in the char vocabulary, "
+                "which was built from a sample of the corpus: raise --tokenizer-sample"
+            ) from None
 
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(self.chars[i] for i in ids if 0 <= i < len(self.chars))
@@ -94,7 +97,7 @@ class HFTokenizer:
         self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> "HFTokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, show_progress: bool = False) -> HFTokenizer:
         """Byte-level BPE: every byte is in the alphabet, so no text is ever out of vocabulary."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -102,7 +105,9 @@ class HFTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=[EOT], show_progress=show_progress,
+            vocab_size=vocab_size,
+            special_tokens=[EOT],
+            show_progress=show_progress,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
         tok.train_from_iterator(texts, trainer=trainer)
@@ -237,7 +242,9 @@ def tokenizer_from_json(text: str, where: str = "tokenizer.json"):
     except (KeyError, TypeError) as e:
         raise DataError(f"{where}: a {kind} tokenizer.json without a valid {e}") from None
     except Exception as e:  # tokenizers' own parse error: not a Hugging Face tokenizer.json either
-        raise DataError(f"{where}: not a tokenizer.json that fastpt or Hugging Face tokenizers can read ({e})") from None
+        raise DataError(
+            f"{where}: not a tokenizer.json that fastpt or Hugging Face tokenizers can read ({e})"
+        ) from None
 
 
 class _PlainUnpickler(pickle.Unpickler):

@@ -6,6 +6,7 @@ with a GradScaler; the benchmark runs it too), the dashboard line every log_ever
 and atomic checkpoints. What it needs is built before it by named builders: build_data,
 build_model, the Checkpointer with every piece of checkpointed state, write_run_folder.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,22 +16,39 @@ import random
 import signal
 import sys
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from fastpt import kernels
-from fastpt import checkpoint, distributed, float8
+from fastpt import checkpoint, distributed, float8, kernels
 from fastpt.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
-from fastpt.config import (CUDA_GRAPH_MODES, DTYPES, PRESETS, ModelConfig, TrainConfig, model_config,
-                           parse_args, profile_steps, resolve, to_toml)
-from fastpt.data import (Source, TrainLoader, WindowSet, common_vocab, data_sources, describe_data, doc_token,
-                         open_windows)
+from fastpt.config import (
+    CUDA_GRAPH_MODES,
+    DTYPES,
+    PRESETS,
+    ModelConfig,
+    TrainConfig,
+    model_config,
+    parse_args,
+    profile_steps,
+    resolve,
+    to_toml,
+)
+from fastpt.data import (
+    Source,
+    TrainLoader,
+    WindowSet,
+    common_vocab,
+    data_sources,
+    describe_data,
+    doc_token,
+    open_windows,
+)
 from fastpt.errors import CheckpointError, ConfigError, print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.files import lock
@@ -51,10 +69,17 @@ class StepResult:
     applied: bool  # False only for an update skipped as non-finite
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-               scaler: torch.amp.GradScaler, loader: TrainLoader, grad_accum: int, autocast: torch.autocast,
-               max_grad_norm: float, d: distributed.Dist = distributed.Dist(),
-               skip_nonfinite: bool = False) -> StepResult:
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    scaler: torch.amp.GradScaler,
+    loader: TrainLoader,
+    grad_accum: int,
+    autocast: torch.autocast,
+    max_grad_norm: float,
+    d: distributed.Dist = distributed.ONE_PROCESS,
+    skip_nonfinite: bool = False,
+) -> StepResult:
     """One optimizer step: grad_accum micro-batches, each loss / grad_accum so the accumulated
     gradient averages like one large batch (DDP / FSDP sync only on the last), then unscale (fp16),
     clip the global norm and step (every optimizer, when given several). Nothing waits for the
@@ -89,6 +114,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | Sequence[tor
 class TrainState:
     """What the loop carries from step to step; checkpoints hold it, so a resumed run's records
     equal the uninterrupted run's, the log window straddling the checkpoint included."""
+
     step: int = 0
     tokens_seen: int = 0
     best_val_loss: float = math.inf
@@ -99,8 +125,11 @@ class TrainState:
     window_steps: int = 0  # updates applied since the last dashboard line
 
     def state_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "window_loss": float(self.window_loss),
-                "window_z_loss": float(self.window_z_loss)}
+        return {
+            **dataclasses.asdict(self),
+            "window_loss": float(self.window_loss),
+            "window_z_loss": float(self.window_z_loss),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for f in dataclasses.fields(self):
@@ -109,8 +138,9 @@ class TrainState:
 
     def to(self, device: torch.device) -> None:
         """The window sums as tensors on the device: adding a step's loss never waits for it."""
-        self.window_loss, self.window_z_loss = (torch.tensor(float(v), device=device)
-                                                for v in (self.window_loss, self.window_z_loss))
+        self.window_loss, self.window_z_loss = (
+            torch.tensor(float(v), device=device) for v in (self.window_loss, self.window_z_loss)
+        )
 
     def count(self, result: StepResult, tokens_per_step: int) -> None:
         """Step `step + 1` is done: add its loss to the log window, or count it as skipped."""
@@ -166,11 +196,12 @@ def check_runtime(cfg: TrainConfig) -> None:
     if cfg.dtype == "fp16" and cfg.device != "cuda":
         raise ConfigError(f"'dtype' = 'fp16' needs a CUDA device (got {cfg.device}); use bf16 or fp32")
     if cfg.dtype == "bf16" and cfg.device == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"'dtype' = 'bf16' is not supported on {device_name(torch.device('cuda'))}; "
-                          "use fp16 or fp32")
+        raise ConfigError(f"'dtype' = 'bf16' is not supported on {device_name(torch.device('cuda'))}; use fp16 or fp32")
     if cfg.kernels == "triton" and not kernels.available():
-        raise ConfigError("'kernels' = 'triton' cannot run here: it needs Triton and a CUDA device "
-                          "(or TRITON_INTERPRET=1 on a CPU, slowly); use 'auto'")
+        raise ConfigError(
+            "'kernels' = 'triton' cannot run here: it needs Triton and a CUDA device "
+            "(or TRITON_INTERPRET=1 on a CPU, slowly); use 'auto'"
+        )
     if cfg.float8:
         float8.check(torch.device(cfg.device))
 
@@ -183,12 +214,15 @@ def model_mismatch(saved: dict, mcfg: ModelConfig) -> str:
 
 def speed_choices(cfg: TrainConfig) -> str:
     """What the summary line adds after 'compile True': the compile mode, AC, float8."""
-    return ((f" ({cfg.compile_mode})" if cfg.compile and cfg.compile_mode != "default" else "")
-            + (f" | AC {cfg.activation_checkpointing}" if cfg.activation_checkpointing != "none" else "")
-            + (" | float8" if cfg.float8 else ""))
+    return (
+        (f" ({cfg.compile_mode})" if cfg.compile and cfg.compile_mode != "default" else "")
+        + (f" | AC {cfg.activation_checkpointing}" if cfg.activation_checkpointing != "none" else "")
+        + (" | float8" if cfg.float8 else "")
+    )
 
 
 # ---- setup: the builders train() calls, in order
+
 
 def unwritable(cfg: TrainConfig, e: OSError) -> ConfigError:
     return ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})")
@@ -227,8 +261,10 @@ def default_data(cfg: TrainConfig, d: distributed.Dist, init_tokenizer: Path | N
 
     vocab_hint = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or 4096  # BPE size (tiny takes the data's)
     if cfg.init_from and init_tokenizer is None:  # a BPE of our own would give its ids another meaning
-        raise ConfigError(f"{cfg.init_from} has no tokenizer.json to prepare the default corpus with: "
-                          "give --data prepared with the model's tokenizer")
+        raise ConfigError(
+            f"{cfg.init_from} has no tokenizer.json to prepare the default corpus with: "
+            "give --data prepared with the model's tokenizer"
+        )
     if d.is_main:
         default_corpus(vocab_hint, init_tokenizer)
     distributed.barrier(d)
@@ -238,8 +274,11 @@ def default_data(cfg: TrainConfig, d: distributed.Dist, init_tokenizer: Path | N
 def warn_if_other_tokenizer(data_dir: Path, init_tokenizer: Path) -> None:
     data_tokenizer = data_dir / "tokenizer.json"
     if data_tokenizer.is_file() and not same_tokenizer(init_tokenizer, data_tokenizer):
-        print(f"fastpt: warning: {data_dir} was not prepared with {init_tokenizer}: its ids mean other tokens "
-              f"to the model of --init-from (prepare it with --tokenizer {init_tokenizer})", file=sys.stderr)
+        print(
+            f"fastpt: warning: {data_dir} was not prepared with {init_tokenizer}: its ids mean other tokens "
+            f"to the model of --init-from (prepare it with --tokenizer {init_tokenizer})",
+            file=sys.stderr,
+        )
 
 
 def build_data(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Data:
@@ -289,20 +328,29 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device, d: distribut
 
 def build_checkpointer(cfg: TrainConfig, data: Data, net: Net, state: TrainState, d: distributed.Dist) -> Checkpointer:
     """Every piece of state a checkpoint holds, registered once (a new one is one more entry)."""
-    states = {"model": ModelState(net.raw), "optimizer": OptimizerState(net.raw, net.optimizers),
-              "scaler": net.scaler, "loader": data.loader, "rng": RNGState(), "train_state": state}
+    states = {
+        "model": ModelState(net.raw),
+        "optimizer": OptimizerState(net.raw, net.optimizers),
+        "scaler": net.scaler,
+        "loader": data.loader,
+        "rng": RNGState(),
+        "train_state": state,
+    }
     meta = {"model_config": dataclasses.asdict(data.model_config), "train_config": dataclasses.asdict(cfg)}
     return Checkpointer(Path(cfg.out), states, meta, cfg.keep_checkpoints, d.is_main)
 
 
-def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, state: TrainState, mcfg: ModelConfig,
-                    device: torch.device, log) -> None:
+def start_or_resume(
+    cfg: TrainConfig, ckpt: Checkpointer, state: TrainState, mcfg: ModelConfig, device: torch.device, log
+) -> None:
     """--resume: every registered state from the newest checkpoint that loads. A fresh run refuses
     a folder that holds an earlier run's checkpoints or metrics."""
+
     def same_model(path: Path, saved: dict) -> None:
         if diff := model_mismatch(saved["model_config"], mcfg):
-            raise ConfigError(f"{path} was written for another model ({diff}); "
-                              "resume with the same preset, shape keys and data")
+            raise ConfigError(
+                f"{path} was written for another model ({diff}); resume with the same preset, shape keys and data"
+            )
         if (optimizer := saved.get("train_config", {}).get("optimizer", "adamw")) != cfg.optimizer:
             raise ConfigError(f"{path} was written with --optimizer {optimizer}: resume with the same optimizer")
 
@@ -314,11 +362,15 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, state: TrainState, mcf
     elif cfg.resume:
         log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
     elif path := checkpoint.latest(run_dir):  # a fresh run would mix its checkpoints with the old ones
-        raise ConfigError(f"{run_dir} already holds a run (newest checkpoint {path.name}): "
-                          "add --resume to continue it, or choose another --out")
+        raise ConfigError(
+            f"{run_dir} already holds a run (newest checkpoint {path.name}): "
+            "add --resume to continue it, or choose another --out"
+        )
     elif (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size:
-        raise ConfigError(f"{run_dir} holds an earlier run's metrics.jsonl (and no checkpoint): "
-                          "add --resume to start that run over, or choose another --out")
+        raise ConfigError(
+            f"{run_dir} holds an earlier run's metrics.jsonl (and no checkpoint): "
+            "add --resume to start that run over, or choose another --out"
+        )
     state.to(device)
 
 
@@ -337,9 +389,16 @@ def write_run_folder(cfg: TrainConfig, data_dir: Path, step: int) -> MetricsLogg
 
 def build_dashboard(cfg: TrainConfig, data: Data, net: Net, device: torch.device, d: distributed.Dist) -> Dashboard:
     tokens_per_step = cfg.micro_batch * data.train.seq_len * cfg.grad_accum * d.world_size
-    return Dashboard(cfg.max_steps, tokens_per_step, d.world_size, net.raw.flops_per_token(data.train.seq_len)
-                     * tokens_per_step, peak_flops(device_name(device)) if device.type == "cuda" else None,
-                     device, cfg.z_loss > 0, cfg.compile)
+    return Dashboard(
+        cfg.max_steps,
+        tokens_per_step,
+        d.world_size,
+        net.raw.flops_per_token(data.train.seq_len) * tokens_per_step,
+        peak_flops(device_name(device)) if device.type == "cuda" else None,
+        device,
+        cfg.z_loss > 0,
+        cfg.compile,
+    )
 
 
 def summary(cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, device: torch.device) -> list[str]:
@@ -349,8 +408,8 @@ def summary(cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, device: tor
         f"run {cfg.out} | device {device_name(device)} x {dash.world_size} | "
         + (f"init from {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset}")
         + f" | params {net.raw.num_params():,} | dtype {cfg.dtype} | compile {cfg.compile}{speed_choices(cfg)} | "
-        f"kernels {cfg.kernels} | MFU " + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else
-                                           f"n/a (no peak-FLOPs entry for {device_name(device)})"),
+        f"kernels {cfg.kernels} | MFU "
+        + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"),
         f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
         f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
         f"{dash.world_size} ranks) | {cfg.max_steps:,} steps = {dash.tokens_per_step * cfg.max_steps:,} tokens",
@@ -370,8 +429,10 @@ def save_checkpoint(ckpt: Checkpointer, step: int, log) -> bool:
 
 def nonfinite_error(bad_step: int, run_dir: Path) -> str:
     last = checkpoint.latest(run_dir)
-    return (f"fastpt: error: non-finite loss or gradient norm at step {bad_step}; stopped, the latest checkpoint "
-            f"({last.name if last else 'none'}) predates it (--on-nonfinite skip skips such updates)")
+    return (
+        f"fastpt: error: non-finite loss or gradient norm at step {bad_step}; stopped, the latest checkpoint "
+        f"({last.name if last else 'none'}) predates it (--on-nonfinite skip skips such updates)"
+    )
 
 
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
@@ -381,6 +442,7 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
 
 
 # ---- the loop
+
 
 def train(cfg: TrainConfig, d: distributed.Dist) -> int:
     """Run the training loop; returns the process exit code."""
@@ -402,33 +464,52 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         for line in summary(cfg, data, net, dash, device):
             log(line)
         cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
-        probe = cleanup.enter_context(closing(StepProbe(profile_steps(cfg), ckpt.run_dir / "profile", device, d.rank,
-                                                        cuda_graphs=cuda_graphs)))
+        probe = cleanup.enter_context(
+            closing(StepProbe(profile_steps(cfg), ckpt.run_dir / "profile", device, d.rank, cuda_graphs=cuda_graphs))
+        )
         preemption = cleanup.enter_context(Preemption())
         pace, exit_code = Pace(), 0
         first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
         net.model.train()
         while state.step < cfg.max_steps:
-            lr = lr_schedule(cfg.schedule, state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio,
-                             cfg.decay_fraction)
+            lr = lr_schedule(
+                cfg.schedule, state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.decay_fraction
+            )
             set_lr(net.optimizers, lr)
             with probe.step(state.step + 1):  # --profile, recompiles
-                result = train_step(net.model, net.optimizers, net.scaler, data.loader, cfg.grad_accum, net.autocast,
-                                    cfg.max_grad_norm, d, skip_nonfinite=cfg.on_nonfinite == "skip")
+                result = train_step(
+                    net.model,
+                    net.optimizers,
+                    net.scaler,
+                    data.loader,
+                    cfg.grad_accum,
+                    net.autocast,
+                    cfg.max_grad_norm,
+                    d,
+                    skip_nonfinite=cfg.on_nonfinite == "skip",
+                )
             state.count(result, dash.tokens_per_step)  # from here on, state.step is this step's number
             if result.applied:
                 first_bad_step = torch.where(~result.finite & (first_bad_step < 0), state.step, first_bad_step)
             else:
-                log(f"step {state.step}: non-finite loss or gradient norm, update skipped "
-                    f"({state.consecutive_skips} in a row)")
+                log(
+                    f"step {state.step}: non-finite loss or gradient norm, update skipped "
+                    f"({state.consecutive_skips} in a row)"
+                )
                 if state.consecutive_skips >= cfg.max_skips:
-                    log(f"fastpt: error: stopping at step {state.step}: {state.consecutive_skips} consecutive "
-                        "non-finite steps (max_skips)", file=sys.stderr)
+                    log(
+                        f"fastpt: error: stopping at step {state.step}: {state.consecutive_skips} consecutive "
+                        "non-finite steps (max_skips)",
+                        file=sys.stderr,
+                    )
                     return 1
 
             is_last = state.step == cfg.max_steps
-            preempted = distributed.any_rank(preemption.requested, d) if (
-                not d.enabled or state.step % cfg.log_every == 0) else False
+            preempted = (
+                distributed.any_rank(preemption.requested, d)
+                if (not d.enabled or state.step % cfg.log_every == 0)
+                else False
+            )
             log_now, eval_now = state.step % cfg.log_every == 0 or is_last, state.step % cfg.eval_every == 0 or is_last
             ckpt_now = state.step % cfg.ckpt_every == 0 or is_last or preempted
             # The stop-mode flag is read only here, so nothing is logged, evaluated or saved from bad weights.
@@ -436,8 +517,9 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
                 log(nonfinite_error(bad, ckpt.run_dir), file=sys.stderr)
                 return 1
             if log_now and state.window_steps:  # in skip mode a window may hold no update at all
-                record = dash.record(state, pace.lap(state.window_steps), lr, result.grad_norm, data.loader.wait_s,
-                                     probe.recompiles())
+                record = dash.record(
+                    state, pace.lap(state.window_steps), lr, result.grad_norm, data.loader.wait_s, probe.recompiles()
+                )
                 log(dash.line(record, pace.eta(cfg.max_steps - state.step)), flush=True)
                 if metrics:
                     metrics.log(record)

@@ -1,5 +1,6 @@
 """Windows of seq_len + 1 tokens over memory-mapped shards, as the loader draws them: cut from the
 stream (concat), starting at documents and packed best-fit (bos), or a weighted mixture of sets."""
+
 from __future__ import annotations
 
 import bisect
@@ -54,8 +55,10 @@ class Windows(WindowSet):
         per_shard = np.array([len(t) // (seq_len + 1) for t in self.tokens], dtype=np.int64)
         if per_shard.sum() == 0:
             longest = max(len(t) for t in self.tokens)
-            raise DataError(f"seq_len {seq_len} is longer than the data: the longest shard "
-                            f"({shards[int(np.argmax([len(t) for t in self.tokens]))]}) has {longest} tokens")
+            raise DataError(
+                f"seq_len {seq_len} is longer than the data: the longest shard "
+                f"({shards[int(np.argmax([len(t) for t in self.tokens]))]}) has {longest} tokens"
+            )
         self.starts = np.concatenate(([0], np.cumsum(per_shard)))  # window index where each shard begins
 
     def __len__(self) -> int:
@@ -65,14 +68,16 @@ class Windows(WindowSet):
         """Windows by global index -> (len(indices), seq_len + 1) int64."""
         span = self.seq_len + 1
         shard_ids = np.searchsorted(self.starts, indices, side="right") - 1
-        rows = [self.tokens[s][(i - self.starts[s]) * span:(i - self.starts[s] + 1) * span]
-                for s, i in zip(shard_ids, indices)]
+        rows = [
+            self.tokens[s][(i - self.starts[s]) * span : (i - self.starts[s] + 1) * span]
+            for s, i in zip(shard_ids, indices)
+        ]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
 def document_starts(tokens: np.ndarray, doc_id: int, chunk: int = 1 << 24) -> np.ndarray:
     """Offsets of every document token in a shard, scanned in chunks so memory stays bounded."""
-    found = [np.flatnonzero(tokens[i:i + chunk] == doc_id) + i for i in range(0, len(tokens), chunk)]
+    found = [np.flatnonzero(tokens[i : i + chunk] == doc_id) + i for i in range(0, len(tokens), chunk)]
     return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
 
 
@@ -123,8 +128,9 @@ class BosWindows(WindowSet):
         self.seg_take = np.concatenate((np.full(len(long), span), seg_take)).astype(np.int64)
         self.row_start = np.concatenate(([0], np.arange(1, len(long) + 1), len(long) + np.array(row_ends, np.int64)))
         if len(self) == 0:
-            raise DataError(f"seq_len {seq_len} is longer than the data: {shards[0].parent} has "
-                            f"{sum(map(len, self.tokens))} tokens")
+            raise DataError(
+                f"seq_len {seq_len} is longer than the data: {shards[0].parent} has {sum(map(len, self.tokens))} tokens"
+            )
         self.dropped = 1 - len(self) * span / sum(map(len, self.tokens))
 
     def __len__(self) -> int:
@@ -132,8 +138,15 @@ class BosWindows(WindowSet):
 
     def gather(self, indices: np.ndarray) -> torch.Tensor:
         """Windows by index -> (len(indices), seq_len + 1) int64, each the concatenation of its segments."""
-        rows = [np.concatenate([self.tokens[self.seg_shard[j]][self.seg_begin[j]:self.seg_begin[j] + self.seg_take[j]]
-                                for j in range(self.row_start[w], self.row_start[w + 1])]) for w in indices]
+        rows = [
+            np.concatenate(
+                [
+                    self.tokens[self.seg_shard[j]][self.seg_begin[j] : self.seg_begin[j] + self.seg_take[j]]
+                    for j in range(self.row_start[w], self.row_start[w + 1])
+                ]
+            )
+            for w in indices
+        ]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
@@ -172,7 +185,8 @@ class Mixture(WindowSet):
             key = (*seed, int(block))
             if key not in self._blocks:
                 order = np.random.default_rng([*key, len(self.parts)]).permutation(
-                    np.repeat(np.arange(len(self.parts)), self.quota))
+                    np.repeat(np.arange(len(self.parts)), self.quota)
+                )
                 rank = np.empty_like(order)
                 for k, q in enumerate(self.quota):
                     rank[order == k] = np.arange(q)

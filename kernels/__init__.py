@@ -7,6 +7,7 @@ Every op takes ``backend``: "auto" runs the Triton kernels on CUDA tensors and t
 CPU tensors, unless TRITON_INTERPRET=1 is set, which runs the kernels on CPU through Triton's
 interpreter; "triton" forces the kernels (an error where they cannot run); "torch" the reference.
 """
+
 import importlib.util
 import os
 
@@ -59,8 +60,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
 
 
 def cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
-    *, z_loss: float = 0.0, return_z_loss: bool = False, inplace_backward: bool = False, backend: str = "auto",
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of logits (N, V) against target (N,), as F.cross_entropy; fp32 loss.
 
@@ -71,19 +79,35 @@ def cross_entropy(
     """
     _check_loss_args(reduction, logits=logits)
     if not _use_triton(backend, logits):
-        return reference.cross_entropy(logits, target, ignore_index, reduction, z_loss=z_loss,
-                                       return_z_loss=return_z_loss)
-    return functional.cross_entropy(logits, target, ignore_index, reduction, z_loss=z_loss,
-                                    return_z_loss=return_z_loss, inplace_backward=inplace_backward)
+        return reference.cross_entropy(
+            logits, target, ignore_index, reduction, z_loss=z_loss, return_z_loss=return_z_loss
+        )
+    return functional.cross_entropy(
+        logits,
+        target,
+        ignore_index,
+        reduction,
+        z_loss=z_loss,
+        return_z_loss=return_z_loss,
+        inplace_backward=inplace_backward,
+    )
 
 
 def linear_cross_entropy(
-    input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-    reduction: str = "mean", *, z_loss: float = 0.0, return_z_loss: bool = False, backend: str = "auto",
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy(input @ weight.T, target, ...), input (N, D), weight (V, D); fp32 loss, z_loss
     and return_z_loss as in cross_entropy. The Triton path never materializes the (N, V) logits."""
     _check_loss_args(reduction, input=input, weight=weight)
     impl = functional if _use_triton(backend, input) else reference
-    return impl.linear_cross_entropy(input, weight, target, ignore_index, reduction, z_loss=z_loss,
-                                     return_z_loss=return_z_loss)
+    return impl.linear_cross_entropy(
+        input, weight, target, ignore_index, reduction, z_loss=z_loss, return_z_loss=return_z_loss
+    )

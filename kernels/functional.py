@@ -7,6 +7,7 @@ a backward run with create_graph=True raises. The Triton modules are imported in
 bodies, so `import kernels` does not import triton. TRITON_INTERPRET must be set before triton
 is first imported: triton.jit reads it when a function is decorated, triton.language's own included.
 """
+
 import torch
 from torch import Tensor
 
@@ -17,11 +18,14 @@ def _no_double_backward(op: str) -> None:
     """Autograd runs a backward with grad mode on only for create_graph=True; these backward
     formulas are not differentiable, so refuse rather than hand back a gradient with no graph."""
     if torch.is_grad_enabled():
-        raise RuntimeError(f"fastpt::{op}: double backward (create_graph=True) is not supported; "
-                           "use backend='torch' for higher-order gradients")
+        raise RuntimeError(
+            f"fastpt::{op}: double backward (create_graph=True) is not supported; "
+            "use backend='torch' for higher-order gradients"
+        )
 
 
 # ----------------------------------------------------------------------------- RMSNorm
+
 
 @torch.library.custom_op("fastpt::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -73,6 +77,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 
 # ------------------------------------------------------------------ loss reduction helpers
 
+
 def _row_scale(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
     """d loss / d loss_row of a counted row, 0-dim fp32, without a host sync: 1/n_counted for
     "mean" (1 if no row counts: every gradient is 0 then), else 1."""
@@ -95,6 +100,7 @@ def _rows_fake(rows: Tensor) -> Tensor:
 # The forward op makes the loss rows and saves their log-sum-exp; its backward writes the gradient
 # in one pass with the upstream gradient of each row folded in (the reduction's 1/n arrives in it
 # from reduce_rows' own autograd), into a new buffer or over the saved logits (cross_entropy_backward_).
+
 
 @torch.library.custom_op("fastpt::cross_entropy", mutates_args=())
 def _cross_entropy(
@@ -169,8 +175,14 @@ _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entro
 
 
 def cross_entropy(
-    logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", *,
-    z_loss: float = 0.0, return_z_loss: bool = False, inplace_backward: bool = False,
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of logits (N, V) against target (N,) plus z_loss * lse^2 per counted row; fp32
     loss, "mean" over non-ignored rows. With return_z_loss, (loss, the z-loss term alone, detached).
@@ -190,10 +202,17 @@ def cross_entropy(
 
 # ------------------------------------------------------------------- linear + cross-entropy
 
+
 @torch.library.custom_op("fastpt::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(
-    input: Tensor, weight: Tensor, target: Tensor, ignore_index: int, reduction: str, z_loss: float,
-    compute_dtype: torch.dtype, with_grad: bool,
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    ignore_index: int,
+    reduction: str,
+    z_loss: float,
+    compute_dtype: torch.dtype,
+    with_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, z-loss term, dinput, fp32 dweight), the gradients those of the summed loss: the mean's
     1/n joins the upstream gradient in the backward, so fp16 never holds (p - onehot) / n. They are
@@ -210,8 +229,12 @@ def _linear_cross_entropy(
         )
     if not early:
         dinput, dweight = input.new_empty(0), weight.new_empty(0, dtype=torch.float32)
-    return (reduce_rows(loss_rows, target, ignore_index, reduction),
-            reduce_rows(z_rows, target, ignore_index, reduction), dinput, dweight)
+    return (
+        reduce_rows(loss_rows, target, ignore_index, reduction),
+        reduce_rows(z_rows, target, ignore_index, reduction),
+        dinput,
+        dweight,
+    )
 
 
 @_linear_cross_entropy.register_fake
@@ -227,7 +250,12 @@ def _(input, weight, target, ignore_index, reduction, z_loss, compute_dtype, wit
 
 @torch.library.custom_op("fastpt::linear_cross_entropy_backward", mutates_args=())
 def _linear_cross_entropy_backward(
-    input: Tensor, weight: Tensor, target: Tensor, grad_scale: Tensor, ignore_index: int, z_loss: float,
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    grad_scale: Tensor,
+    ignore_index: int,
+    z_loss: float,
     compute_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """(dinput, fp32 dweight) of sum_i grad_scale[i] * loss_i, grad_scale 0-dim or (N,)."""
@@ -271,8 +299,14 @@ _linear_cross_entropy.register_autograd(_linear_cross_entropy_grad, setup_contex
 
 
 def linear_cross_entropy(
-    input: Tensor, weight: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean", *,
-    z_loss: float = 0.0, return_z_loss: bool = False,
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """cross_entropy(input @ weight.T, target, ...) for input (N, D), weight (V, D), chunked over rows.
 

@@ -1,4 +1,5 @@
 """Pure-PyTorch reference ops: the CPU fallback and the oracle for the Triton kernels."""
+
 import torch
 import torch.nn.functional as F
 
@@ -24,8 +25,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
 
 
 def cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
-    *, z_loss: float = 0.0, return_z_loss: bool = False,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    *,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of logits (N, V) against target (N,), computed in (at least) fp32, plus the
     z-loss z_loss * logsumexp(logits)^2 of each counted row, reduced alike; with return_z_loss,

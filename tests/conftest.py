@@ -1,4 +1,5 @@
 """Shared fixtures: a small real corpus prepared once per session, and a trainer runner."""
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ def tiny_data(tmp_path_factory) -> Path:
 def bpe_data(tmp_path_factory) -> Path:
     """A locally trained byte-level BPE (vocab 512) over a slice of the Python stdlib."""
     import sysconfig
+
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(stdlib.glob("*.py"))[:40]
     out = tmp_path_factory.mktemp("data") / "bpe"
@@ -39,8 +41,14 @@ def run_train(*args: str, timeout: float = 300, env: dict | None = None, nproc: 
     nproc > 0 launches it under torchrun with that many processes (gloo on CPU, a free port)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    return subprocess.run([sys.executable, *torchrun, "-m", "fastpt.train", *args], capture_output=True,
-                          text=True, timeout=timeout, env=full_env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, *torchrun, "-m", "fastpt.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=REPO,
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -4,6 +4,7 @@ launchers pick at the real shapes (bench/aot.py), and what the compiler made of 
 It runs under whatever Triton is installed (3.9 in CI; 3.6, the GPU machine's, in a scratch venv:
 `pip install torch==2.13.0 triton==3.6.0`). `pytest -s tests/test_aot.py -m slow` prints the table.
 """
+
 import functools
 
 import pytest
@@ -74,8 +75,11 @@ def test_launch_plans_for_h200():
     loss, grad = _compiled("cross_entropy 32768x32000 bf16 +grad")
     for c, passes in ((loss, (True, False)), (grad, (False, True))):
         assert c.grid == (32768,) and c.num_warps == 8
-        assert (c.constexprs["WITH_LOSS"], c.constexprs["WITH_GRAD"], c.constexprs["ROWS"], c.constexprs["BLOCK"]) \
-            == (*passes, 1, 8192)
+        assert (c.constexprs["WITH_LOSS"], c.constexprs["WITH_GRAD"], c.constexprs["ROWS"], c.constexprs["BLOCK"]) == (
+            *passes,
+            1,
+            8192,
+        )
     rms_fwd, rms_bwd = _compiled("rms_norm 65536x512 bfloat16")
     assert rms_bwd.grid[0] <= 4 * aot.H200_SMS < rms_fwd.grid[0]
 

@@ -2,6 +2,7 @@
 one-document equality on both mask kinds (the dense SDPA mask the CPU trains with, the FlexAttention
 BlockMask CUDA trains with, run here forward-only: FlexAttention has no CPU backward), eager and
 compiled; the training loop's hooks; and the one-line refusal for data without a document token."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,14 +14,24 @@ import pytest
 import torch
 
 from conftest import TINY, read_metrics, run_main, train_refuses
-from fastpt import attention, model as model_module, train
+from fastpt import attention, train
+from fastpt import model as model_module
 from fastpt.config import ModelConfig
 from fastpt.errors import ConfigError
 from fastpt.model import Transformer
 
 DOC = 7  # the document token of these tests' made-up vocabulary
-CFG = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64,
-                  attention="document", doc_token=DOC)
+CFG = ModelConfig(
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=64,
+    max_seq_len=64,
+    attention="document",
+    doc_token=DOC,
+)
 
 
 def tokens(*lengths: int, seed: int = 0) -> torch.Tensor:
@@ -54,12 +65,14 @@ def test_document_ids_and_dense_mask_by_hand():
     idx = torch.tensor([[3, DOC, 4, 5, DOC, 6]])
     assert attention.document_ids(idx, DOC).tolist() == [[0, 1, 1, 1, 2, 2]]
     allowed = attention.document_mask(idx, DOC, flex=False)[0, 0].int().tolist()
-    assert allowed == [[1, 0, 0, 0, 0, 0],
-                       [0, 1, 0, 0, 0, 0],
-                       [0, 1, 1, 0, 0, 0],
-                       [0, 1, 1, 1, 0, 0],
-                       [0, 0, 0, 0, 1, 0],
-                       [0, 0, 0, 0, 1, 1]]
+    assert allowed == [
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ]
 
 
 @torch.no_grad()
@@ -102,6 +115,7 @@ def test_decoding_with_a_kv_cache_attends_causally():
     def decode(m: Transformer) -> torch.Tensor:
         _, _, cache = m(prompt, kv_cache=[])
         return m(prompt[:, -1:], kv_cache=cache)[0]
+
     torch.testing.assert_close(decode(doc_model), decode(causal))
 
 
@@ -119,17 +133,40 @@ def test_document_attention_on_data_without_a_document_token_is_one_line(tiny_da
     bare.mkdir()
     for shard in tiny_data.glob("*.bin"):  # llm.c-style shards alone: no meta.json, no eot_id
         shutil.copy(shard, bare / shard.name)
-    train_refuses(capsys, [*TINY, "--data", str(bare), "--out", str(tmp_path / "run"), "--attention", "document"],
-                  "'attention' = 'document'", str(bare))
+    train_refuses(
+        capsys,
+        [*TINY, "--data", str(bare), "--out", str(tmp_path / "run"), "--attention", "document"],
+        "'attention' = 'document'",
+        str(bare),
+    )
 
 
 def test_training_with_document_attention_records_the_token(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
-    code, _, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(out), "--max-steps", "4",
-                                         "--log-every", "2", "--eval-every", "4", "--eval-tokens", "256",
-                                         "--attention", "document"], capsys)
+    code, _, err = run_main(
+        train.main,
+        [
+            *TINY,
+            "--data",
+            str(tiny_data),
+            "--out",
+            str(out),
+            "--max-steps",
+            "4",
+            "--log-every",
+            "2",
+            "--eval-every",
+            "4",
+            "--eval-tokens",
+            "256",
+            "--attention",
+            "document",
+        ],
+        capsys,
+    )
     assert code == 0, err
     from fastpt import checkpoint
+
     saved = checkpoint.load(checkpoint.latest(out))["model_config"]
     eot = json.loads((tiny_data / "meta.json").read_text())["eot_id"]
     assert (saved["attention"], saved["doc_token"]) == ("document", eot)
@@ -145,8 +182,9 @@ def test_compiled_document_attention_isolates_documents_without_recompiling(mask
     doc_model, _ = models()
     compiled = torch.compile(doc_model, fullgraph=True, dynamic=False)
     later = tokens(40, seed=2)
-    batches = [torch.stack((torch.cat((tokens(24, seed=s), later)), tokens(10, 30, 24, seed=s + 50)))
-               for s in range(3)]  # (2, 64) each, the documents elsewhere in every batch
+    batches = [
+        torch.stack((torch.cat((tokens(24, seed=s), later)), tokens(10, 30, 24, seed=s + 50))) for s in range(3)
+    ]  # (2, 64) each, the documents elsewhere in every batch
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         outs = [compiled(b)[0] for b in batches]
@@ -160,21 +198,36 @@ def test_compiled_training_with_document_attention_follows_eager_without_recompi
     """The loop under --compile: one graph for every batch's document layout (evals' too), the eager losses."""
     from conftest import run_train
 
-    common = (*TINY, "--data", str(tiny_data), "--max-steps", "4", "--log-every", "2", "--eval-every", "2",
-              "--eval-tokens", "192", "--attention", "document")
+    common = (
+        *TINY,
+        "--data",
+        str(tiny_data),
+        "--max-steps",
+        "4",
+        "--log-every",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-tokens",
+        "192",
+        "--attention",
+        "document",
+    )
     result = run_train(*common, "--out", str(tmp_path / "compiled"), "--compile", timeout=900)
     assert result.returncode == 0, result.stderr
     records = read_metrics(tmp_path / "compiled")
     assert [r["recompiles"] for r in records] == [0, 0]
     eager = run_train(*common, "--out", str(tmp_path / "eager"))
     assert eager.returncode == 0, eager.stderr
-    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "eager")],
-                                                         rel=1e-4)
+    assert [r["loss"] for r in records] == pytest.approx(
+        [r["loss"] for r in read_metrics(tmp_path / "eager")], rel=1e-4
+    )
 
 
 @pytest.mark.slow
 def test_document_attention_under_fsdp_follows_one_process(tiny_data, tmp_path):
-    from test_distributed import assert_same_curve, train as train_dist
+    from test_distributed import assert_same_curve
+    from test_distributed import train as train_dist
 
     one = train_dist(tiny_data, tmp_path / "one", 0, "--attention", "document")
     fsdp = train_dist(tiny_data, tmp_path / "fsdp", 2, "--attention", "document", "--parallel", "fsdp")

@@ -1,5 +1,6 @@
 """Checkpoints: loading one never runs code from it (a single file or a DCP folder, through every
 command that loads one), and the checkpoints earlier releases wrote still load and resume exactly."""
+
 from __future__ import annotations
 
 import pickle
@@ -18,8 +19,22 @@ from fastpt import checkpoint, export, sample, train
 
 def run_args(data: Path, out: Path, *extra: str) -> list[str]:
     """6 steps, every step logged, checkpoints at 4 and 6."""
-    return [*TINY, "--data", str(data), "--out", str(out), "--max-steps", "6", "--log-every", "1",
-            "--eval-every", "3", "--ckpt-every", "4", *extra]
+    return [
+        *TINY,
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-steps",
+        "6",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "3",
+        "--ckpt-every",
+        "4",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +44,7 @@ def reference(tiny_data, tmp_path_factory) -> Path:
         mp.setattr("sys.argv", ["fastpt.train"])
         with pytest.raises(SystemExit) as done:
             from fastpt.errors import run_command
+
             run_command(lambda: train.main(run_args(tiny_data, out)))
     assert done.value.code == 0
     return out
@@ -64,17 +80,23 @@ def crafted_dcp_folder(reference: Path, path: Path, marker: Path) -> Path:
 
 @pytest.mark.parametrize("kind", ["file", "dcp folder"])
 @pytest.mark.parametrize("command", ["train --resume", "sample", "export"])
-def test_a_crafted_checkpoint_is_refused_and_its_payload_never_runs(reference, tiny_data, tmp_path, capsys,
-                                                                     kind, command):
+def test_a_crafted_checkpoint_is_refused_and_its_payload_never_runs(
+    reference, tiny_data, tmp_path, capsys, kind, command
+):
     marker = tmp_path / "created-by-the-payload"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     name = "ckpt_00000004"
-    path = (crafted_file(run_dir / f"{name}.pt", marker) if kind == "file"
-            else crafted_dcp_folder(reference, run_dir / name, marker))
-    argv = {"train --resume": (train.main, run_args(tiny_data, run_dir, "--resume")),
-            "sample": (sample.main, ["--ckpt", str(path), "--device", "cpu", "--max-new-tokens", "2"]),
-            "export": (export.main, [str(path), "--out", str(tmp_path / "hf")])}[command]
+    path = (
+        crafted_file(run_dir / f"{name}.pt", marker)
+        if kind == "file"
+        else crafted_dcp_folder(reference, run_dir / name, marker)
+    )
+    argv = {
+        "train --resume": (train.main, run_args(tiny_data, run_dir, "--resume")),
+        "sample": (sample.main, ["--ckpt", str(path), "--device", "cpu", "--max-new-tokens", "2"]),
+        "export": (export.main, [str(path), "--out", str(tmp_path / "hf")]),
+    }[command]
     code, _, err = run_main(*argv, capsys)
     payload = path if kind == "file" else path / ".metadata"
     assert_one_line_error(code, err, f"refused to load {payload}: it names ", "could run code")
@@ -88,11 +110,19 @@ def legacy(ckpt: dict) -> dict:
     array inside, which torch.load(weights_only=True) refuses by default), the step stored twice."""
     rng = ckpt["rng"]
     np_state = np.random.RandomState()
-    np_state.set_state({**rng["numpy"], "state": {**rng["numpy"]["state"],
-                                                  "key": rng["numpy"]["state"]["key"].numpy().astype(np.uint32)}})
+    np_state.set_state(
+        {
+            **rng["numpy"],
+            "state": {**rng["numpy"]["state"], "key": rng["numpy"]["state"]["key"].numpy().astype(np.uint32)},
+        }
+    )
     old = {k: ckpt[k] for k in ("model", "optimizer", "scaler", "loader", "model_config", "train_config")}
-    return {**old, "rng": {**rng, "numpy": np_state.get_state()}, "step": ckpt["train_state"]["step"],
-            "train_state": ckpt["train_state"]}
+    return {
+        **old,
+        "rng": {**rng, "numpy": np_state.get_state()},
+        "step": ckpt["train_state"]["step"],
+        "train_state": ckpt["train_state"],
+    }
 
 
 def test_a_checkpoint_of_the_previous_release_resumes_exactly(reference, tiny_data, tmp_path, capsys):
@@ -131,6 +161,7 @@ def test_a_dcp_folder_resumes_through_the_safe_reader(reference, tiny_data, tmp_
 
 # ---- state registered once
 
+
 class Counter:
     """A Stateful of a feature's own (what a new piece of loop state looks like)."""
 
@@ -152,8 +183,9 @@ def two_optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
 
 
 def test_a_checkpointer_saves_and_restores_every_registered_state_with_several_optimizers(tmp_path):
-    from fastpt.model import Transformer
     from test_core import small_model
+
+    from fastpt.model import Transformer
 
     torch.manual_seed(0)
     model, x = small_model(), torch.randint(0, 97, (2, 16))
@@ -163,8 +195,12 @@ def test_a_checkpointer_saves_and_restores_every_registered_state_with_several_o
         for opt in optimizers:
             opt.step()
     meta = {"model_config": {"dim": 128}, "note": "plain values beside the states"}
-    states = {"model": checkpoint.ModelState(model), "optimizer": checkpoint.OptimizerState(model, optimizers),
-              "counter": Counter(7), "train_state": Counter(2)}
+    states = {
+        "model": checkpoint.ModelState(model),
+        "optimizer": checkpoint.OptimizerState(model, optimizers),
+        "counter": Counter(7),
+        "train_state": Counter(2),
+    }
     path = checkpoint.Checkpointer(tmp_path, states, meta).save(2)
     assert path == tmp_path / "ckpt_00000002.pt"
     saved = torch.load(path, weights_only=True)
@@ -173,31 +209,42 @@ def test_a_checkpointer_saves_and_restores_every_registered_state_with_several_o
     fresh = Transformer(model.cfg)
     fresh_optimizers = two_optimizers(fresh)
     counter = Counter()
-    restored = checkpoint.Checkpointer(tmp_path, {
-        "model": checkpoint.ModelState(fresh), "optimizer": checkpoint.OptimizerState(fresh, fresh_optimizers),
-        "counter": counter, "train_state": Counter()}, meta).restore(torch.device("cpu"))
+    restored = checkpoint.Checkpointer(
+        tmp_path,
+        {
+            "model": checkpoint.ModelState(fresh),
+            "optimizer": checkpoint.OptimizerState(fresh, fresh_optimizers),
+            "counter": counter,
+            "train_state": Counter(),
+        },
+        meta,
+    ).restore(torch.device("cpu"))
     assert restored == path and counter.n == 7
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     for before, after in zip(optimizers, fresh_optimizers):
         for p, q in zip(before.param_groups[0]["params"], after.param_groups[0]["params"]):
             assert before.state[p].keys() == after.state[q].keys()
             assert all(torch.equal(before.state[p][k], after.state[q][k]) for k in before.state[p])
-    assert isinstance(fresh_optimizers[1].state[fresh_optimizers[1].param_groups[0]["params"][0]]["momentum_buffer"],
-                      torch.Tensor)
+    assert isinstance(
+        fresh_optimizers[1].state[fresh_optimizers[1].param_groups[0]["params"][0]]["momentum_buffer"], torch.Tensor
+    )
 
 
 def test_a_state_the_checkpoint_lacks_is_one_line_naming_it(tmp_path):
     from test_core import small_model
 
     model = small_model()
-    checkpoint.Checkpointer(tmp_path, {"model": checkpoint.ModelState(model), "train_state": Counter()},
-                            {"model_config": {}}).save(1)
+    checkpoint.Checkpointer(
+        tmp_path, {"model": checkpoint.ModelState(model), "train_state": Counter()}, {"model_config": {}}
+    ).save(1)
     with pytest.raises(checkpoint.CheckpointError, match="could not load the counter state from .*ckpt_00000001.pt"):
-        checkpoint.Checkpointer(tmp_path, {"model": checkpoint.ModelState(model), "counter": Counter(),
-                                           "train_state": Counter()}, {}).restore(torch.device("cpu"))
+        checkpoint.Checkpointer(
+            tmp_path, {"model": checkpoint.ModelState(model), "counter": Counter(), "train_state": Counter()}, {}
+        ).restore(torch.device("cpu"))
 
 
 # ---- process state: what an in-process train.main leaves behind
+
 
 def test_in_process_train_main_leaves_handlers_and_lock_as_it_found_them(tiny_data, tmp_path, capsys):
     import fcntl
@@ -231,9 +278,23 @@ def test_the_eta_follows_the_steady_pace_after_the_warm_up(monkeypatch):
     now[0] += 100.0  # the first window: 10 steps and a compilation
     pace.lap(10)
     assert pace.eta(90) is None  # no steady pace yet: the first window holds the compilation
-    assert metrics.Dashboard(100, 1, 1, 0.0, None, None, False, False).line(
-        {"step": 10, "loss": 1.0, "ppl": 2.7, "lr": 0.1, "grad_norm": 1.0, "peak_mem_gib": 0.5, "tok_s": 1.0,
-         "mfu": None}, pace.eta(90)).endswith("| ETA after warm-up")
+    assert (
+        metrics.Dashboard(100, 1, 1, 0.0, None, None, False, False)
+        .line(
+            {
+                "step": 10,
+                "loss": 1.0,
+                "ppl": 2.7,
+                "lr": 0.1,
+                "grad_norm": 1.0,
+                "peak_mem_gib": 0.5,
+                "tok_s": 1.0,
+                "mfu": None,
+            },
+            pace.eta(90),
+        )
+        .endswith("| ETA after warm-up")
+    )
     for seconds in (10.0, 14.0, 6.0):  # then 1 s a step on average, an eval paused out of one window
         with pace.paused():
             now[0] += 50.0

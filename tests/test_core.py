@@ -1,4 +1,5 @@
 """The core contracts: schedule, decay groups, presets, shards, loader, config and the loop."""
+
 from __future__ import annotations
 
 import math
@@ -39,6 +40,7 @@ def test_lr_at_is_the_seed_formula_at_every_step():
 
 def small_model(vocab=97) -> Transformer:
     import dataclasses
+
     return Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=vocab))
 
 
@@ -59,8 +61,9 @@ def test_param_groups_ndim_rule_decays_every_matrix_and_no_vector():
 
 
 def test_param_groups_strict_rule_spares_bias_norm_and_embedding():
-    model = nn.ModuleDict({"emb": nn.Embedding(10, 4), "proj": nn.Linear(4, 4, bias=True),
-                           "norm_like": nn.Linear(4, 4, bias=False)})
+    model = nn.ModuleDict(
+        {"emb": nn.Embedding(10, 4), "proj": nn.Linear(4, 4, bias=True), "norm_like": nn.Linear(4, 4, bias=False)}
+    )
     decay, no_decay = param_groups(model, 0.1, "strict")
     assert names_in(model, decay) == {"proj.weight"}
     assert names_in(model, no_decay) == {"emb.weight", "proj.bias", "norm_like.weight"}
@@ -116,7 +119,7 @@ def test_kv_cache_decoding_matches_full_forward():
     full = model(x).logits
     cache = model(x[:, :7], kv_cache=[]).cache
     for t in range(7, 12):
-        logits, _, cache = model(x[:, t:t + 1], kv_cache=cache)  # unpacks positionally too
+        logits, _, cache = model(x[:, t : t + 1], kv_cache=cache)  # unpacks positionally too
         torch.testing.assert_close(logits[:, -1], full[:, t], rtol=1e-4, atol=1e-5)
 
 
@@ -240,8 +243,11 @@ def test_config_precedence_file_errors_and_round_trip(tmp_path):
 def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path, capsys):
     common = [*TINY, "--data", str(tiny_data), "--max-steps", "4", "--log-every", "1", "--eval-every", "100"]
     for name, micro_batch, accum in (("a", "8", "1"), ("b", "2", "4")):
-        code, _, err = run_main(train.main, common + ["--micro-batch", micro_batch, "--grad-accum", accum,
-                                                      "--out", str(tmp_path / name)], capsys)
+        code, _, err = run_main(
+            train.main,
+            common + ["--micro-batch", micro_batch, "--grad-accum", accum, "--out", str(tmp_path / name)],
+            capsys,
+        )
         assert code == 0, err
     a, b = [r["loss"] for r in read_metrics(tmp_path / "a")], [r["loss"] for r in read_metrics(tmp_path / "b")]
     assert len(a) == 4
@@ -250,9 +256,31 @@ def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path, caps
 
 def test_tiny_run_on_real_text_learns_and_writes_its_run_dir(bpe_data, tmp_path, capsys):
     out = tmp_path / "run"
-    code, stdout, err = run_main(train.main, [*TINY, "--data", str(bpe_data), "--out", str(out), "--max-steps", "60",
-                                              "--seq-len", "64", "--micro-batch", "8", "--lr", "3e-3",
-                                              "--warmup-steps", "10", "--eval-every", "30", "--log-every", "10"], capsys)
+    code, stdout, err = run_main(
+        train.main,
+        [
+            *TINY,
+            "--data",
+            str(bpe_data),
+            "--out",
+            str(out),
+            "--max-steps",
+            "60",
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "8",
+            "--lr",
+            "3e-3",
+            "--warmup-steps",
+            "10",
+            "--eval-every",
+            "30",
+            "--log-every",
+            "10",
+        ],
+        capsys,
+    )
     assert code == 0, err
     assert "Step    60/60 | Loss:" in stdout and "tok/s" in stdout
     losses = [r["loss"] for r in read_metrics(out)]
@@ -282,8 +310,26 @@ def test_checkpoint_resume_continues_at_the_right_step(tiny_data, tmp_path, caps
 def test_cuda_bf16_run_with_kernels_resumes(tiny_data, tmp_path):
     """The loop's CUDA path (bf16 autocast, Triton kernels, pinned batches, eval) and a resume from
     a checkpoint loaded onto the GPU (its RNG state comes back as CUDA tensors)."""
-    common = ("--device", "cuda", "--preset", "tiny", "--dtype", "bf16", "--kernels", "triton", "--seq-len", "32",
-              "--micro-batch", "4", "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1")
+    common = (
+        "--device",
+        "cuda",
+        "--preset",
+        "tiny",
+        "--dtype",
+        "bf16",
+        "--kernels",
+        "triton",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path),
+        "--log-every",
+        "1",
+    )
     first = run_train(*common, "--max-steps", "2")
     assert first.returncode == 0, first.stderr
     resumed = run_train(*common, "--max-steps", "3", "--resume")
@@ -301,8 +347,11 @@ def test_eager_and_compiled_losses_agree(tiny_data, tmp_path):
     assert eager.returncode == 0, eager.stderr
     assert compiled.returncode == 0, compiled.stderr
     assert "compile True" in compiled.stdout
-    np.testing.assert_allclose([r["loss"] for r in read_metrics(tmp_path / "compiled")],
-                               [r["loss"] for r in read_metrics(tmp_path / "eager")], rtol=1e-4)
+    np.testing.assert_allclose(
+        [r["loss"] for r in read_metrics(tmp_path / "compiled")],
+        [r["loss"] for r in read_metrics(tmp_path / "eager")],
+        rtol=1e-4,
+    )
 
 
 def test_z_loss_is_trained_on_and_logged_apart(tiny_data, tmp_path, capsys):

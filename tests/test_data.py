@@ -1,6 +1,7 @@
 """Bring your own data: every input format and tokenizer kind gives shards that decode to the
 source text, the output folder is safe and locked, Ctrl-C cleans up, and every data mistake is
 one line that names the file."""
+
 from __future__ import annotations
 
 import gzip
@@ -25,9 +26,13 @@ from fastpt.shards import read_shard, write_shard
 from fastpt.sources import parse_hub_spec
 from fastpt.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
 
-DOCS = ["First document.\nIt has two lines.", "Ünïcödé — 日本語 and emoji 🙂", "x",
-        "  leading spaces\tand tabs",
-        "A longer one: " + "lorem ipsum dolor sit amet " * 40]
+DOCS = [
+    "First document.\nIt has two lines.",
+    "Ünïcödé — 日本語 and emoji 🙂",
+    "x",
+    "  leading spaces\tand tabs",
+    "A longer one: " + "lorem ipsum dolor sit amet " * 40,
+]
 BYTES_EOT = ByteTokenizer.eot_id
 
 
@@ -47,22 +52,32 @@ def train_tokenizer(texts: list[str], vocab_size: int = 400) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 
-@pytest.mark.parametrize("size, fraction, expected_val", [
-    (100_000, 0.05, 5000),  # the fraction, over several shards
-    (100_000, 0.001, 2049),  # at least one eval window at seq_len 2048
-    (8_000, 0.005, 800),  # never more than 10%
-])
+@pytest.mark.parametrize(
+    "size, fraction, expected_val",
+    [
+        (100_000, 0.05, 5000),  # the fraction, over several shards
+        (100_000, 0.001, 2049),  # at least one eval window at seq_len 2048
+        (8_000, 0.005, 800),  # never more than 10%
+    ],
+)
 def test_single_file_gives_train_and_val_with_val_the_tail(tmp_path, size, fraction, expected_val):
     text = (DOCS[-1] * (size // len(DOCS[-1]) + 1))[:size]
     (tmp_path / "input.txt").write_text(text)
-    meta = prepare.prepare([tmp_path / "input.txt"], tmp_path / "out", "bytes", val_fraction=fraction,
-                           workers=1, shard_tokens=30_000)
+    meta = prepare.prepare(
+        [tmp_path / "input.txt"], tmp_path / "out", "bytes", val_fraction=fraction, workers=1, shard_tokens=30_000
+    )
     tokens = stream(tmp_path / "out")
     assert bytes(tokens[1:].astype(np.uint8)).decode() == text and tokens[0] == BYTES_EOT
     val = np.concatenate([read_shard(p) for p in find_shards(tmp_path / "out", "val")])
@@ -77,6 +92,7 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> None:
     opener = gzip.open if path.suffix == ".gz" else open
     if path.suffix == ".zst":
         import zstandard
+
         path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
         return
     with opener(path, "wt", encoding="utf-8") as f:
@@ -86,22 +102,31 @@ def write_jsonl(path: Path, docs: list[str], field: str = "text") -> None:
 def write_parquet(path: Path, docs: list[str], field: str = "text", row_group_size: int = 2) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    pq.write_table(pa.table({"id": list(range(len(docs))), field: docs}), path, row_group_size=row_group_size,
-                   write_page_checksum=True)
+
+    pq.write_table(
+        pa.table({"id": list(range(len(docs))), field: docs}),
+        path,
+        row_group_size=row_group_size,
+        write_page_checksum=True,
+    )
 
 
 def write_saved_dataset(path: Path, docs: list[str], field: str = "text") -> None:
     import datasets
+
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({field: docs})}).save_to_disk(str(path))
 
 
-@pytest.mark.parametrize("name, write, field, workers", [
-    ("docs.jsonl", write_jsonl, "text", 1),
-    ("docs.jsonl.gz", write_jsonl, "text", 2),  # through the worker pool: order kept
-    ("docs.json.zst", write_jsonl, "body", 1),
-    ("docs.parquet", write_parquet, "content", 1),
-    ("saved", write_saved_dataset, "text", 1),
-])
+@pytest.mark.parametrize(
+    "name, write, field, workers",
+    [
+        ("docs.jsonl", write_jsonl, "text", 1),
+        ("docs.jsonl.gz", write_jsonl, "text", 2),  # through the worker pool: order kept
+        ("docs.json.zst", write_jsonl, "body", 1),
+        ("docs.parquet", write_parquet, "content", 1),
+        ("saved", write_saved_dataset, "text", 1),
+    ],
+)
 def test_record_inputs_decode_to_the_source_documents(tmp_path, name, write, field, workers):
     docs = DOCS + ["", "after an empty record"]
     write(tmp_path / name, docs, field)
@@ -113,6 +138,7 @@ def test_record_inputs_decode_to_the_source_documents(tmp_path, name, write, fie
 def compress(data: bytes, suffix: str, frames: int = 1) -> bytes:
     """gzip members or zstd frames (with the checksum the zstd tool writes), one after another."""
     import zstandard
+
     cut = [len(data) * i // frames for i in range(frames + 1)]
     parts = [data[a:b] for a, b in zip(cut, cut[1:])]
     pack = gzip.compress if suffix == ".gz" else zstandard.ZstdCompressor(write_checksum=True).compress
@@ -132,12 +158,12 @@ def test_compressed_input_of_several_frames_is_read_whole(tmp_path, suffix):
 
 
 def cut_in_half(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def garble(path: Path) -> None:
     raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2:len(raw) // 2 + 64] = bytes(range(64))
+    raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(range(64))
     path.write_bytes(bytes(raw))
 
 
@@ -175,8 +201,11 @@ def test_a_pretrained_tokenizer_json_gives_its_own_ids_and_trains(tmp_path, caps
     got = [d.tolist() for d in split_docs(stream(tmp_path / "data"), eot)]
     assert got == [e.ids for e in tok.encode_batch(docs)]
 
-    code, _, err = run_main(train.main, ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), *TINY,
-                                         "--max-steps", "3"], capsys)
+    code, _, err = run_main(
+        train.main,
+        ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), *TINY, "--max-steps", "3"],
+        capsys,
+    )
     assert code == 0, err
     ours = load_tokenizer(tmp_path / "run" / "tokenizer.json")  # what fastpt.sample decodes with
     assert ours.vocab_size == tok.get_vocab_size() and ours.decode(got[7]) == docs[7]
@@ -205,20 +234,26 @@ def test_nanogpt_char_data_with_meta_pkl_trains_and_decodes(tmp_path, capsys):
     ids = np.array([stoi[c] for c in text], dtype=np.uint16)
     data = tmp_path / "shakespeare_char"
     data.mkdir()
-    ids[:len(ids) * 9 // 10].tofile(data / "train.bin")
-    ids[len(ids) * 9 // 10:].tofile(data / "val.bin")
+    ids[: len(ids) * 9 // 10].tofile(data / "train.bin")
+    ids[len(ids) * 9 // 10 :].tofile(data / "val.bin")
     with open(data / "meta.pkl", "wb") as f:
         pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, f)
     shards = find_shards(data, "train", "nanogpt") + find_shards(data, "val", "nanogpt")
     assert data_vocab(data, shards, headerless=True) == len(chars)
 
-    code, _, err = run_main(train.main, ["--data", str(data), "--data-format", "nanogpt", "--out", str(tmp_path / "run"),
-                                         *TINY, "--max-steps", "3"], capsys)
+    code, _, err = run_main(
+        train.main,
+        ["--data", str(data), "--data-format", "nanogpt", "--out", str(tmp_path / "run"), *TINY, "--max-steps", "3"],
+        capsys,
+    )
     assert code == 0, err
     tok = load_tokenizer(tmp_path / "run" / "tokenizer.json")  # what the trainer wrote for fastpt.sample
     assert tok.vocab_size == len(chars) and tok.eot_id is None and tok.decode(ids.tolist()) == text
-    code, out, err = run_main(sample.main, ["--ckpt", str(tmp_path / "run"), "--device", "cpu",
-                                            "--prompt", "a", "--max-new-tokens", "8"], capsys)
+    code, out, err = run_main(
+        sample.main,
+        ["--ckpt", str(tmp_path / "run"), "--device", "cpu", "--prompt", "a", "--max-new-tokens", "8"],
+        capsys,
+    )
     assert code == 0 and set(out.strip()) <= set(chars), err
 
 
@@ -263,9 +298,25 @@ def slow_corpus(tmp_path_factory) -> tuple[Path, Path]:
 
 def start_prepare(corpus: Path, tokenizer: Path, out: Path, workers: int) -> subprocess.Popen:
     """fastpt.prepare in a real process, returned once it is writing shards into its temporary folder."""
-    proc = subprocess.Popen([sys.executable, "-m", "fastpt.prepare", str(corpus), "--tokenizer", str(tokenizer),
-                             "--out", str(out), "--workers", str(workers)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fastpt.prepare",
+            str(corpus),
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(out),
+            "--workers",
+            str(workers),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     tmp = out.with_name(f".{out.name}.prepare-tmp")
     deadline = time.monotonic() + 60
     while not (tmp / "train_000000.bin").exists():
@@ -292,15 +343,19 @@ def test_a_second_prepare_on_the_same_out_is_refused_and_a_killed_one_leaves_no_
         first.kill()
         first.communicate()
     (tmp_path / "small.txt").write_text(DOCS[-1])
-    code, _, _ = run_main(prepare.main, [str(tmp_path / "small.txt"), "--out", str(out), "--tokenizer", "bytes"],
-                          capsys)
+    code, _, _ = run_main(
+        prepare.main, [str(tmp_path / "small.txt"), "--out", str(out), "--tokenizer", "bytes"], capsys
+    )
     assert code == 0 and sorted(os.listdir(tmp_path)) == ["data", "small.txt"]  # the killed one's leftovers gone
     assert find_shards(out, "val")
 
 
 def test_hub_dataset_spec():
-    assert parse_hub_spec("HuggingFaceFW/fineweb-edu:sample-10BT") == ("HuggingFaceFW/fineweb-edu", "sample-10BT",
-                                                                       "train")
+    assert parse_hub_spec("HuggingFaceFW/fineweb-edu:sample-10BT") == (
+        "HuggingFaceFW/fineweb-edu",
+        "sample-10BT",
+        "train",
+    )
     assert parse_hub_spec("roneneldan/TinyStories::validation") == ("roneneldan/TinyStories", None, "validation")
 
 
@@ -323,17 +378,29 @@ PREPARE_MISTAKES = {  # name -> (set up tmp_path, argv; FILE is tmp_path / "f"),
     "parquet given as text": (lambda f: write_parquet(f, DOCS), ["FILE"], "FILE"),
     "NUL bytes": (lambda f: f.write_bytes(b"text\0\1\2binary"), ["FILE"], "FILE"),
     "--out names a file": (lambda f: f.write_text("text"), ["FILE", "--out", "FILE"], "FILE"),
-    "not a JSON line": (lambda f: f.with_suffix(".jsonl").write_text('{"text": "ok"}\n{oops\n'),
-                        ["FILE.jsonl"], "FILE.jsonl:2"),
+    "not a JSON line": (
+        lambda f: f.with_suffix(".jsonl").write_text('{"text": "ok"}\n{oops\n'),
+        ["FILE.jsonl"],
+        "FILE.jsonl:2",
+    ),
     "no text field": (lambda f: write_jsonl(f.with_suffix(".jsonl"), DOCS, "content"), ["FILE.jsonl"], "FILE.jsonl:1"),
     "missing tokenizer": (lambda f: f.write_text("text"), ["FILE", "--tokenizer", "missing.json"], "missing.json"),
-    "corrupt tokenizer": (lambda f: f.with_suffix(".json").write_text("{oops"),
-                          [str(REPO / "README.md"), "--tokenizer", "FILE.json"], "FILE.json"),
+    "corrupt tokenizer": (
+        lambda f: f.with_suffix(".json").write_text("{oops"),
+        [str(REPO / "README.md"), "--tokenizer", "FILE.json"],
+        "FILE.json",
+    ),
     "no such input": (lambda f: None, ["FILE"], "FILE"),
-    "parquet ints": (lambda f: write_parquet(f.with_suffix(".parquet"), DOCS), ["FILE.parquet", "--text-field", "id"],
-                     "FILE.parquet: column 'id' holds int64, not text"),
-    "dataset lists": (lambda f: write_saved_dataset(f, [[d] for d in DOCS]), ["FILE"],
-                      "FILE: column 'text' holds List, not text"),
+    "parquet ints": (
+        lambda f: write_parquet(f.with_suffix(".parquet"), DOCS),
+        ["FILE.parquet", "--text-field", "id"],
+        "FILE.parquet: column 'id' holds int64, not text",
+    ),
+    "dataset lists": (
+        lambda f: write_saved_dataset(f, [[d] for d in DOCS]),
+        ["FILE"],
+        "FILE: column 'text' holds List, not text",
+    ),
     "--out in /proc": (lambda f: f.write_text("text"), ["FILE", "--out", "/proc/fastpt-out"], "/proc/fastpt-out"),
 }
 
@@ -373,21 +440,41 @@ def nanogpt(folder: Path) -> None:
 
 
 TRAIN_MISTAKES = {  # name -> (edit a shard folder d, --data, extra flags, what the error names)
-    "a text file": (lambda d: (d / "notes.txt").write_text("text"), "{d}/notes.txt", [],
-                    "python -m fastpt.prepare {d}/notes.txt --out DIR"),
-    "a folder of text": (lambda d: [p.unlink() for p in d.glob("*.bin")] + [(d / "a.txt").write_text("x")], "{d}", [],
-                         "python -m fastpt.prepare {d} --out DIR"),
+    "a text file": (
+        lambda d: (d / "notes.txt").write_text("text"),
+        "{d}/notes.txt",
+        [],
+        "python -m fastpt.prepare {d}/notes.txt --out DIR",
+    ),
+    "a folder of text": (
+        lambda d: [p.unlink() for p in d.glob("*.bin")] + [(d / "a.txt").write_text("x")],
+        "{d}",
+        [],
+        "python -m fastpt.prepare {d} --out DIR",
+    ),
     "unreadable shard": (lambda d: replace_with_dir(d / "val_000000.bin"), "{d}", [], "{d}/val_000000.bin"),
     "dangling symlink shard": (lambda d: dangle(d / "train_000000.bin"), "{d}", [], "{d}/train_000000.bin"),
     "corrupt meta.json": (lambda d: (d / "meta.json").write_text("{oops"), "{d}", [], "{d}/meta.json"),
-    "meta.json vocab not a number": (lambda d: (d / "meta.json").write_text('{"vocab_size": "x"}'), "{d}", [],
-                                     "{d}/meta.json"),
+    "meta.json vocab not a number": (
+        lambda d: (d / "meta.json").write_text('{"vocab_size": "x"}'),
+        "{d}",
+        [],
+        "{d}/meta.json",
+    ),
     "header vocab 2^31-1": (lambda d: set_vocab(d / "train_000000.bin", 2**31 - 1), "{d}", [], "{d}/train_000000.bin"),
     "empty headerless val.bin": (nanogpt, "{d}", ["--data-format", "nanogpt"], "{d}/val.bin"),
-    "corrupt meta.pkl": (lambda d: nanogpt(d) or (d / "meta.pkl").write_bytes(b"\x80\x04junk"), "{d}",
-                         ["--data-format", "nanogpt"], "{d}/meta.pkl"),
-    "meta.pkl that runs code": (lambda d: nanogpt(d) or (d / "meta.pkl").write_bytes(pickle.dumps(os.getcwd)), "{d}",
-                                ["--data-format", "nanogpt"], "{d}/meta.pkl"),
+    "corrupt meta.pkl": (
+        lambda d: nanogpt(d) or (d / "meta.pkl").write_bytes(b"\x80\x04junk"),
+        "{d}",
+        ["--data-format", "nanogpt"],
+        "{d}/meta.pkl",
+    ),
+    "meta.pkl that runs code": (
+        lambda d: nanogpt(d) or (d / "meta.pkl").write_bytes(pickle.dumps(os.getcwd)),
+        "{d}",
+        ["--data-format", "nanogpt"],
+        "{d}/meta.pkl",
+    ),
     "interrupted prepare": (lambda d: (d / ".incomplete").touch(), "{d}", [], "{d} is an unfinished fastpt.prepare"),
     "nanoGPT data as llmc": (nanogpt, "{d}", [], "--data-format nanogpt"),
 }
@@ -398,13 +485,17 @@ def test_train_data_mistakes_are_one_line_naming_the_file(case, tmp_path, capsys
     edit, data, extra, named = TRAIN_MISTAKES[case]
     folder = make_shards(tmp_path / "data")
     edit(folder)
-    code, _, err = run_main(train.main, [*TINY, "--data", data.format(d=folder), "--out", str(tmp_path / "run"),
-                                         "--max-steps", "1", *extra], capsys)
+    code, _, err = run_main(
+        train.main,
+        [*TINY, "--data", data.format(d=folder), "--out", str(tmp_path / "run"), "--max-steps", "1", *extra],
+        capsys,
+    )
     assert_one_line_error(code, err, named.format(d=folder))
 
 
 def few_stdlib_files(count: int = 12) -> list[Path]:
     import sysconfig
+
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:count]
 
 
@@ -437,7 +528,8 @@ def test_a_dataset_inside_its_input_folder_is_not_read_as_input(tmp_path, capsys
     (tmp_path / "corpus" / "a.txt").write_text(DOCS[-1])
     out = tmp_path / "corpus" / "data"
     for inputs in ([str(tmp_path / "corpus")], [str(tmp_path / "corpus" / "**")]):
-        code, _, err = run_main(prepare.main, inputs + ["--out", str(out), "--tokenizer", "bytes", "--workers", "1",
-                                                        "--overwrite"], capsys)
+        code, _, err = run_main(
+            prepare.main, inputs + ["--out", str(out), "--tokenizer", "bytes", "--workers", "1", "--overwrite"], capsys
+        )
         assert code == 0, err
         assert len(stream(out)) == len(DOCS[-1].encode()) + 1  # the document and its end-of-text token

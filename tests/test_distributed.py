@@ -1,5 +1,6 @@
 """torchrun with real processes (gloo on CPU): DDP and FSDP follow a one-process run step for step,
 checkpoints move between world sizes and layouts, and a rank that dies is named and restarted from."""
+
 from __future__ import annotations
 
 import json
@@ -17,15 +18,31 @@ pytestmark = pytest.mark.slow
 
 # Global batch 8 windows per step: 1 process x 4 x accum 2, or 2 processes x 2 x accum 2, so the
 # two-process runs also exercise the no-sync micro-steps. Eval and checkpoints land at step 3.
-COMMON = (*TINY, "--max-steps", "6", "--warmup-steps", "1", "--lr", "3e-3", "--log-every", "1",
-          "--eval-every", "3", "--eval-tokens", "512", "--ckpt-every", "3")
+COMMON = (
+    *TINY,
+    "--max-steps",
+    "6",
+    "--warmup-steps",
+    "1",
+    "--lr",
+    "3e-3",
+    "--log-every",
+    "1",
+    "--eval-every",
+    "3",
+    "--eval-tokens",
+    "512",
+    "--ckpt-every",
+    "3",
+)
 ONE_PROC = ("--micro-batch", "4", "--grad-accum", "2")
 TWO_PROCS = ("--micro-batch", "2", "--grad-accum", "2")
 
 
 def train(data: Path, out: Path, nproc: int, *extra: str) -> Path:
-    result = run_train(*COMMON, "--data", str(data), "--out", str(out),
-                       *(TWO_PROCS if nproc else ONE_PROC), *extra, nproc=nproc)
+    result = run_train(
+        *COMMON, "--data", str(data), "--out", str(out), *(TWO_PROCS if nproc else ONE_PROC), *extra, nproc=nproc
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return out
 
@@ -60,9 +77,11 @@ def resume_from(run_dir: Path, checkpoint: str, out: Path) -> Path:
 def runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     """The same 6 steps in one process, under DDP and under FSDP (2 processes each)."""
     root = tmp_path_factory.mktemp("dist")
-    return {"one": train(tiny_data, root / "one", 0),
-            "ddp": train(tiny_data, root / "ddp", 2),
-            "fsdp": train(tiny_data, root / "fsdp", 2, "--parallel", "fsdp")}
+    return {
+        "one": train(tiny_data, root / "one", 0),
+        "ddp": train(tiny_data, root / "ddp", 2),
+        "fsdp": train(tiny_data, root / "fsdp", 2, "--parallel", "fsdp"),
+    }
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
@@ -74,11 +93,13 @@ def test_two_processes_follow_one_process(runs, layout):
 def test_compiled_with_activation_checkpointing_follows_one_process(runs, tiny_data, tmp_path, layout, checkpointing):
     """FSDP compiles each block before sharding it, DDP the whole model before wrapping it; with
     activation checkpointing inside the blocks both still train as the eager one-process run."""
-    out = train(tiny_data, tmp_path / layout, 2, "--parallel", layout, "--compile",
-                "--activation-checkpointing", checkpointing)
+    out = train(
+        tiny_data, tmp_path / layout, 2, "--parallel", layout, "--compile", "--activation-checkpointing", checkpointing
+    )
     assert_same_curve(out, runs["one"])
-    assert {r["recompiles"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r} == {0}
+    assert {
+        r["recompiles"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    } == {0}
 
 
 def test_checkpoint_kinds(runs):
@@ -131,10 +152,14 @@ errors.run_command(lambda: train.main(argv))
 """
 
 
-@pytest.mark.parametrize("layout, fault, at", [("ddp", "kill-at-step", 5), ("fsdp", "kill-in-dcp-save", 6)],
-                         ids=["ddp-rank-killed-mid-step", "fsdp-rank-killed-writing-a-checkpoint"])
-def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(runs, tiny_data, tmp_path,
-                                                                               layout, fault, at):
+@pytest.mark.parametrize(
+    "layout, fault, at",
+    [("ddp", "kill-at-step", 5), ("fsdp", "kill-in-dcp-save", 6)],
+    ids=["ddp-rank-killed-mid-step", "fsdp-rank-killed-writing-a-checkpoint"],
+)
+def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(
+    runs, tiny_data, tmp_path, layout, fault, at
+):
     """torchrun --max-restarts 1, rank 1 SIGKILLed (in step 5, or while writing the sharded checkpoint of
     step 6): the survivor stops within the collective timeout with one line naming rank 1, the restarted
     group resumes from the newest complete checkpoint (step 3: a half-written one is never taken), and
@@ -143,8 +168,18 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(r
     script.write_text(DIST_FAULT)
     out = tmp_path / "run"
     args = [*COMMON, "--data", str(tiny_data), "--out", str(out), *TWO_PROCS, "--parallel", layout, "--resume"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           str(script), fault, str(at), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        str(script),
+        fault,
+        str(at),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTPT_COLLECTIVE_TIMEOUT": "60"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -152,8 +187,11 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(r
         said = [line for line in result.stderr.splitlines() if line.startswith("fastpt: error: rank 0: rank 1 (pid")]
         assert len(said) == 1 and " died; a collective failed" in said[0], result.stderr[-4000:]
     else:  # the survivor's half of the checkpoint fails: the previous one stands
-        said = [line for line in result.stderr.splitlines()
-                if line.startswith(f"fastpt: warning: could not write checkpoint {out / 'ckpt_00000006'}: ")]
+        said = [
+            line
+            for line in result.stderr.splitlines()
+            if line.startswith(f"fastpt: warning: could not write checkpoint {out / 'ckpt_00000006'}: ")
+        ]
         assert len(said) == 1 and said[0].endswith("; ckpt_00000003 is intact"), result.stderr[-4000:]
     assert "Traceback" not in result.stderr.split(said[0])[0]  # the first attempt ended without one
     assert result.stdout.count("resumed from") == 1

@@ -1,5 +1,6 @@
 """Evaluation: val_bpb against a hand computation, each tokenizer's byte table, and --eval-mc (a
 model that has learned some text picks its real continuations over character-shuffled ones)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,15 @@ def test_val_bpb_is_the_evaluated_nats_over_the_targets_bytes(tiny_data):
     windows = Windows(find_shards(tiny_data, "val"), 32)
     cfg = TrainConfig(micro_batch=4, eval_tokens=32 * 10)  # 10 windows: the first three batches, the last short
     autocast = torch.autocast("cpu", enabled=False)
-    loss, bpb = evaluate(model, windows, cfg, torch.device("cpu"), autocast, distributed.Dist(),
-                         byte_table(tiny_data, torch.device("cpu")))
+    loss, bpb = evaluate(
+        model,
+        windows,
+        cfg,
+        torch.device("cpu"),
+        autocast,
+        distributed.Dist(),
+        byte_table(tiny_data, torch.device("cpu")),
+    )
     # by hand: every target of the first 10 windows; a byte token (id < 256) is one byte, the document token none
     w = windows.gather(np.arange(10))  # (10, 33)
     with torch.no_grad():
@@ -52,8 +60,12 @@ def test_val_bpb_is_the_evaluated_nats_over_the_targets_bytes(tiny_data):
     assert byte_table(tiny_data / "missing", torch.device("cpu")) is None
 
 
-SENTENCES = [f"the {a} {v} the {o}." for a in ("cat", "dog", "fox", "owl") for v in ("sees", "chases", "likes")
-             for o in ("ball", "tree", "moon", "river")]
+SENTENCES = [
+    f"the {a} {v} the {o}."
+    for a in ("cat", "dog", "fox", "owl")
+    for v in ("sees", "chases", "likes")
+    for o in ("ball", "tree", "moon", "river")
+]
 
 
 def mc_rows(seed: int = 0) -> list[dict]:
@@ -79,10 +91,33 @@ def test_mc_eval_picks_the_real_continuations_of_learned_text(tmp_path, capsys):
     rows = mc_rows()
     mc.write_text("\n".join(map(json.dumps, rows)) + "\n")
     run = tmp_path / "run"
-    code, out, err = run_main(train.main, [*TINY, "--seq-len", "64", "--micro-batch", "8", "--data",
-                                           str(tmp_path / "data"), "--out", str(run), "--eval-mc", str(mc),
-                                           "--max-steps", "150", "--warmup-steps", "10", "--lr", "3e-3",
-                                           "--eval-every", "150", "--log-every", "50"], capsys)
+    code, out, err = run_main(
+        train.main,
+        [
+            *TINY,
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "8",
+            "--data",
+            str(tmp_path / "data"),
+            "--out",
+            str(run),
+            "--eval-mc",
+            str(mc),
+            "--max-steps",
+            "150",
+            "--warmup-steps",
+            "10",
+            "--lr",
+            "3e-3",
+            "--eval-every",
+            "150",
+            "--log-every",
+            "50",
+        ],
+        capsys,
+    )
     assert code == 0, err
     evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
     assert evals[-1]["mc_acc"] >= 0.9, evals  # chance is 0.25
@@ -90,9 +125,28 @@ def test_mc_eval_picks_the_real_continuations_of_learned_text(tmp_path, capsys):
     # the same rows with every label moved to another ending: the model's choices are now wrong
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text("\n".join(json.dumps({**r, "label": (r["label"] + 1) % 4}) for r in rows))
-    code, out, err = run_main(train.main, [*TINY, "--seq-len", "64", "--micro-batch", "8", "--data",
-                                           str(tmp_path / "data"), "--out", str(run), "--resume", "--eval-mc",
-                                           str(wrong), "--max-steps", "151", "--eval-every", "150"], capsys)
+    code, out, err = run_main(
+        train.main,
+        [
+            *TINY,
+            "--seq-len",
+            "64",
+            "--micro-batch",
+            "8",
+            "--data",
+            str(tmp_path / "data"),
+            "--out",
+            str(run),
+            "--resume",
+            "--eval-mc",
+            str(wrong),
+            "--max-steps",
+            "151",
+            "--eval-every",
+            "150",
+        ],
+        capsys,
+    )
     assert code == 0, err
     last = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r][-1]
     assert last["step"] == 151 and last["mc_acc"] <= 0.1
@@ -113,8 +167,11 @@ def test_a_malformed_mc_file_is_one_line_naming_file_and_line(case, tiny_data, t
     mc = tmp_path / "mc.jsonl"
     if text is not None:
         mc.write_text(text)
-    code, _, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"),
-                                         "--eval-mc", str(mc), "--max-steps", "1"], capsys)
+    code, _, err = run_main(
+        train.main,
+        [*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--eval-mc", str(mc), "--max-steps", "1"],
+        capsys,
+    )
     assert_one_line_error(code, err, str(mc), named)
 
 
@@ -124,12 +181,12 @@ def test_data_without_a_tokenizer_logs_no_bpb_and_refuses_mc(tmp_path, capsys):
     for split in ("train", "val"):
         (folder / f"{split}.bin").write_bytes((np.arange(3000) % 60).astype(np.uint16).tobytes())
     (folder / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 64}))  # a vocab, no tokenizer
-    args = [*TINY, "--data", str(folder), "--data-format", "nanogpt",
-            "--max-steps", "2", "--eval-every", "2"]
+    args = [*TINY, "--data", str(folder), "--data-format", "nanogpt", "--max-steps", "2", "--eval-every", "2"]
     code, out, err = run_main(train.main, [*args, "--out", str(tmp_path / "run")], capsys)
     assert code == 0, err
-    evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-             if "val_loss" in r]
+    evals = [
+        r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r
+    ]
     assert evals and evals[-1]["val_bpb"] is None and "val bpb" not in out
     mc = tmp_path / "mc.jsonl"
     mc.write_text(json.dumps({"ctx": "a", "endings": ["b", "c"], "label": 0}))
@@ -146,12 +203,31 @@ def test_bos_mixture_and_mc_under_torchrun_follow_one_process(tiny_data, tmp_pat
     prepare([corpus], tmp_path / "sentences", "bytes", workers=1, val_fraction=0.1)
     mc = tmp_path / "mc.jsonl"
     mc.write_text("\n".join(map(json.dumps, mc_rows()[:5])))
-    common = [*TINY, "--data", f"{tmp_path / 'sentences'}:0.7,{tiny_data}:0.3", "--packing", "bos",
-              "--eval-mc", str(mc), "--max-steps", "4", "--eval-every", "2", "--log-every", "1",
-              "--eval-tokens", "512", "--grad-accum", "2"]
+    common = [
+        *TINY,
+        "--data",
+        f"{tmp_path / 'sentences'}:0.7,{tiny_data}:0.3",
+        "--packing",
+        "bos",
+        "--eval-mc",
+        str(mc),
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-tokens",
+        "512",
+        "--grad-accum",
+        "2",
+    ]
     records = {}
-    for name, nproc, extra in (("one", 0, ["--micro-batch", "4"]), ("ddp", 2, ["--micro-batch", "2"]),
-                               ("fsdp", 2, ["--micro-batch", "2", "--parallel", "fsdp"])):
+    for name, nproc, extra in (
+        ("one", 0, ["--micro-batch", "4"]),
+        ("ddp", 2, ["--micro-batch", "2"]),
+        ("fsdp", 2, ["--micro-batch", "2", "--parallel", "fsdp"]),
+    ):
         result = run_train(*common, *extra, "--out", str(tmp_path / name), nproc=nproc)
         assert result.returncode == 0, result.stderr[-3000:]
         records[name] = [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())]
@@ -167,8 +243,21 @@ def test_bos_mixture_and_mc_under_torchrun_follow_one_process(tiny_data, tmp_pat
 def test_mc_eval_under_compile_matches_eager_and_training_does_not_recompile(tiny_data, tmp_path):
     mc = tmp_path / "mc.jsonl"
     mc.write_text("\n".join(map(json.dumps, mc_rows())))
-    args = [*TINY, "--data", str(tiny_data), "--eval-mc", str(mc), "--max-steps", "4", "--eval-every", "2",
-            "--log-every", "1", "--eval-tokens", "256"]
+    args = [
+        *TINY,
+        "--data",
+        str(tiny_data),
+        "--eval-mc",
+        str(mc),
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-tokens",
+        "256",
+    ]
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         result = run_train(*args, *extra, "--out", str(tmp_path / name))

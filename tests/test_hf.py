@@ -1,5 +1,6 @@
 """Hugging Face export and import: transformers computes fastpt's logits and fastpt computes HF's,
 tokenizers encode alike, and what cannot be converted is refused with one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,9 @@ from fastpt.model import Transformer
 from fastpt.tokenizer import ByteTokenizer, load_tokenizer
 
 # Small, with a non-default RoPE base and epsilon so that a lost field shows in the logits.
-SMALL = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=64,
-                    norm_eps=1e-5, rope_theta=5000.0)
+SMALL = ModelConfig(
+    vocab_size=300, dim=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=64, norm_eps=1e-5, rope_theta=5000.0
+)
 TEXT = "def f(x):\n    return {'ä': x ** 2}  # ✓ 🙂\n\n\tclass A: pass"
 
 
@@ -90,8 +92,9 @@ def test_export_of_a_trained_run(run_dir, exported):
 @pytest.mark.slow
 def test_export_of_an_fsdp_checkpoint_directory(bpe_data, tmp_path):
     run = tmp_path / "fsdp"
-    result = run_train("--data", str(bpe_data), "--out", str(run), *TINY, "--max-steps", "2", "--parallel", "fsdp",
-                       nproc=2)
+    result = run_train(
+        "--data", str(bpe_data), "--out", str(run), *TINY, "--max-steps", "2", "--parallel", "fsdp", nproc=2
+    )
     assert result.returncode == 0, result.stderr
     shards = checkpoint.find(run)
     assert shards.is_dir()  # DCP shards from both ranks
@@ -128,8 +131,22 @@ def test_a_tokenizer_without_a_hugging_face_twin_exports_the_weights_alone(run_d
 
 def test_greedy_sampling_from_the_export_equals_the_checkpoint(run_dir, exported, capsys):
     def greedy(path) -> str:
-        code, out, err = run_main(sample.main, ["--ckpt", str(path), "--prompt", "def ", "--temperature", "0",
-                                               "--max-new-tokens", "24", "--device", "cpu"], capsys)
+        code, out, err = run_main(
+            sample.main,
+            [
+                "--ckpt",
+                str(path),
+                "--prompt",
+                "def ",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "24",
+                "--device",
+                "cpu",
+            ],
+            capsys,
+        )
         assert code == 0, err
         return out
 
@@ -138,9 +155,18 @@ def test_greedy_sampling_from_the_export_equals_the_checkpoint(run_dir, exported
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_a_transformers_llama_imports_with_its_logits_and_exports_back(tmp_path, tie):
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tie)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     theirs = LlamaForCausalLM(config).eval()
     randomize_norms(theirs)
@@ -163,15 +189,41 @@ def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tin
     """--init-from: the first logged loss is HF's own loss on the first batch (warmup makes step 1's
     learning rate 0, so its checkpoint still holds HF's weights: exported, they are HF's tensors);
     then training goes on, and a shape key that contradicts the HF model is refused."""
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     theirs = LlamaForCausalLM(config).eval()
     theirs.save_pretrained(tmp_path / "hf")
-    args = ["--init-from", str(tmp_path / "hf"), "--data", str(tiny_data), "--out", str(tmp_path / "run"),
-            "--device", "cpu", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4", "--log-every", "1",
-            "--warmup-steps", "1"]
+    args = [
+        "--init-from",
+        str(tmp_path / "hf"),
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path / "run"),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--seq-len",
+        "32",
+        "--micro-batch",
+        "4",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "1",
+    ]
     code, out, err = run_main(train.main, args + ["--max-steps", "1"], capsys)
     assert code == 0 and f"init from {tmp_path / 'hf'}" in out, err
     batch = TrainLoader(Windows(find_shards(tiny_data, "train"), 32), 4, seed=1337, device=torch.device("cpu")).next()
@@ -184,8 +236,9 @@ def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tin
     code, _, err = run_main(train.main, args + ["--max-steps", "4", "--resume"], capsys)
     assert code == 0, err
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
-    code, _, err = run_main(train.main, args + ["--max-steps", "1", "--out", str(tmp_path / "other"),
-                                                "--n-layers", "3"], capsys)
+    code, _, err = run_main(
+        train.main, args + ["--max-steps", "1", "--out", str(tmp_path / "other"), "--n-layers", "3"], capsys
+    )
     assert code == 2 and err == "fastpt: error: 'n_layers' = 3 disagrees with the model of --init-from (2)\n"
 
 
@@ -196,21 +249,24 @@ def write_config(folder, **changes) -> None:
     (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
 
 
-@pytest.mark.parametrize("field, value", [
-    ("model_type", "mistral"),
-    ("architectures", ["LlamaForSequenceClassification"]),
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
-    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
-    ("attention_bias", True),
-    ("mlp_bias", True),
-    ("hidden_act", "gelu"),
-    ("head_dim", 32),
-    ("hidden_size", None),
-    ("num_attention_heads", 5),
-    ("num_key_value_heads", 3),
-    ("rms_norm_eps", "1e-5"),
-    ("quantization_config", {"quant_method": "bitsandbytes"}),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model_type", "mistral"),
+        ("architectures", ["LlamaForSequenceClassification"]),
+        ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
+        ("attention_bias", True),
+        ("mlp_bias", True),
+        ("hidden_act", "gelu"),
+        ("head_dim", 32),
+        ("hidden_size", None),
+        ("num_attention_heads", 5),
+        ("num_key_value_heads", 3),
+        ("rms_norm_eps", "1e-5"),
+        ("quantization_config", {"quant_method": "bitsandbytes"}),
+    ],
+)
 def test_an_unsupported_config_is_refused_naming_the_field(tmp_path, field, value):
     write_config(tmp_path, **{field: value})
     with pytest.raises(ConfigError, match=f"'{field}'") as error:
@@ -234,18 +290,25 @@ def test_export_replaces_only_an_earlier_export_and_only_when_asked(run_dir, tmp
     (notes / "todo.txt").write_text("keep me")
     monkeypatch.chdir(notes)
     for out in (str(notes), "."):  # not even with --overwrite: it is not a model folder
-        assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", out, "--overwrite"], capsys)[::2],
-                              "did not write (todo.txt): nothing deleted")
+        assert_one_line_error(
+            *run_main(export.main, [str(run_dir), "--out", out, "--overwrite"], capsys)[::2],
+            "did not write (todo.txt): nothing deleted",
+        )
     assert os.listdir(notes) == ["todo.txt"]
-    assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(run_dir), "--overwrite"], capsys)[::2],
-                          "holds the checkpoint")
+    assert_one_line_error(
+        *run_main(export.main, [str(run_dir), "--out", str(run_dir), "--overwrite"], capsys)[::2],
+        "holds the checkpoint",
+    )
     out = tmp_path / "hf"
-    assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out), "--max-shard-size", "lots"],
-                                   capsys)[::2], "--max-shard-size")
+    assert_one_line_error(
+        *run_main(export.main, [str(run_dir), "--out", str(out), "--max-shard-size", "lots"], capsys)[::2],
+        "--max-shard-size",
+    )
     assert run_main(export.main, [str(run_dir), "--out", str(out)], capsys)[0] == 0
     assert_one_line_error(*run_main(export.main, [str(run_dir), "--out", str(out)], capsys)[::2], "--overwrite")
-    code, _, err = run_main(export.main, [str(checkpoint.find(run_dir)), "--out", str(out), "--overwrite",
-                                         "--dtype", "bf16"], capsys)
+    code, _, err = run_main(
+        export.main, [str(checkpoint.find(run_dir)), "--out", str(out), "--overwrite", "--dtype", "bf16"], capsys
+    )
     assert code == 0, err
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
@@ -271,7 +334,8 @@ def test_preset_parameter_counts():
 
 @pytest.mark.slow
 def test_init_from_without_data_prepares_the_default_corpus_with_the_models_tokenizer(
-        exported, tiny_data, tmp_path, monkeypatch, capsys):
+    exported, tiny_data, tmp_path, monkeypatch, capsys
+):
     """The HF folder's own tokenizer.json prepares the default corpus, so the ids mean what the
     weights learned; a folder without one is refused rather than trained on another tokenizer's ids,
     and data of another tokenizer is a warning."""
@@ -293,8 +357,11 @@ def test_init_from_without_data_prepares_the_default_corpus_with_the_models_toke
     code, _, err = run_main(train.main, args + ["--init-from", str(bare), "--out", str(tmp_path / "other")], capsys)
     assert_one_line_error(code, err, str(bare), "tokenizer.json", "--data")
 
-    code, _, err = run_main(train.main, args + ["--init-from", str(exported), "--data", str(tiny_data),
-                                                "--out", str(tmp_path / "bytes")], capsys)
+    code, _, err = run_main(
+        train.main,
+        args + ["--init-from", str(exported), "--data", str(tiny_data), "--out", str(tmp_path / "bytes")],
+        capsys,
+    )
     assert code == 0 and f"fastpt: warning: {tiny_data} was not prepared with {exported / 'tokenizer.json'}" in err
 
 
@@ -311,8 +378,9 @@ def test_init_from_an_export_of_a_default_run_reuses_the_cached_default_corpus(t
     export.export(tmp_path / "first", tmp_path / "hf")
     (corpus,) = (tmp_path / "cache").iterdir()
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (corpus / "tokenizer.json").read_bytes()
-    code, out, err = run_main(train.main, ["--init-from", str(tmp_path / "hf"), *args[:-3], "--out",
-                                           str(tmp_path / "continued")], capsys)
+    code, out, err = run_main(
+        train.main, ["--init-from", str(tmp_path / "hf"), *args[:-3], "--out", str(tmp_path / "continued")], capsys
+    )
     assert code == 0 and "preparing the default corpus" not in out and "warning" not in err, err
     assert f"data {corpus}:" in out and list((tmp_path / "cache").iterdir()) == [corpus]
     other = tmp_path / "other.json"  # a tokenizer that differs by one byte is another corpus

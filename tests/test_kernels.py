@@ -7,6 +7,7 @@ element a kernel fails to write shows up. Outside that fixture CPU tensors get t
 the other test files. Where CUDA is present (`pytest -m gpu`) the compiled kernels are checked in
 bf16, for memory, and under torch.compile with Inductor.
 """
+
 import contextlib
 import functools
 import importlib
@@ -20,7 +21,11 @@ import torch.nn.functional as F
 from fastpt import kernels
 from fastpt.kernels import reference
 
-OPS_MODULES = ("fastpt.kernels.ops.cross_entropy", "fastpt.kernels.ops.linear_cross_entropy", "fastpt.kernels.ops.rms_norm")
+OPS_MODULES = (
+    "fastpt.kernels.ops.cross_entropy",
+    "fastpt.kernels.ops.linear_cross_entropy",
+    "fastpt.kernels.ops.rms_norm",
+)
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or kernels._interpret(), reason="needs CUDA, no interpreter")
 KERNELS = {
     "rms_norm": ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"),
@@ -62,6 +67,7 @@ def _poisoned(alloc):
             with torch.no_grad():
                 t.fill_(float("nan"))
         return t
+
     return alloc_nan
 
 
@@ -117,8 +123,9 @@ def _targets(rows: int, vocab: int, ignored: float, device="cpu") -> torch.Tenso
     return target
 
 
-def _check_op(op: str, inputs: list[torch.Tensor], args: tuple, backend: str, rtol: float,
-              upstream_one: bool = False, **kwargs):
+def _check_op(
+    op: str, inputs: list[torch.Tensor], args: tuple, backend: str, rtol: float, upstream_one: bool = False, **kwargs
+):
     """op(*inputs, *args, **kwargs) and its input gradients, against the float64 reference (the
     same call with backend="torch"); with return_z_loss, the z-loss term too."""
     ours = _leaves(*inputs)
@@ -160,6 +167,7 @@ def _half_case(op: str, dtype: torch.dtype, device: str, rows: int, vocab: int) 
 
 # ---------------------------------------------------------------- interpreter, on CPU
 
+
 @pytest.mark.parametrize("shape", [(1, 2048), (123, 760), (3, 41, 123)])
 def test_rms_norm(ops, shape):
     x, w = torch.randn(shape), 1 + 0.1 * torch.randn(shape[-1])
@@ -171,14 +179,17 @@ def test_rms_norm_strided_rows(ops):
     _check_op("rms_norm", [x, torch.randn(123)], (1e-5,), "triton", 1e-4)
 
 
-@pytest.mark.parametrize("rows, vocab, reduction, upstream_one, kwargs", [
-    (1, 50257, "mean", True, {}),
-    (5, 50257, "none", False, {"z_loss": 1e-2, "return_z_loss": True}),
-    (123, 4099, "sum", False, {"inplace_backward": True}),
-    (199, 1000, "mean", False, {"z_loss": 1e-2, "return_z_loss": True, "inplace_backward": True}),
-    (123, 123, "mean", True, {}),  # 32 rows per program, the last program's rows partly past the end
-    (199, 1, "sum", False, {"z_loss": 1e-2, "inplace_backward": True}),
-])
+@pytest.mark.parametrize(
+    "rows, vocab, reduction, upstream_one, kwargs",
+    [
+        (1, 50257, "mean", True, {}),
+        (5, 50257, "none", False, {"z_loss": 1e-2, "return_z_loss": True}),
+        (123, 4099, "sum", False, {"inplace_backward": True}),
+        (199, 1000, "mean", False, {"z_loss": 1e-2, "return_z_loss": True, "inplace_backward": True}),
+        (123, 123, "mean", True, {}),  # 32 rows per program, the last program's rows partly past the end
+        (199, 1, "sum", False, {"z_loss": 1e-2, "inplace_backward": True}),
+    ],
+)
 def test_cross_entropy(ops, rows, vocab, reduction, upstream_one, kwargs):
     logits, target = 3 * torch.randn(rows, vocab), _targets(rows, vocab, 0.2)
     _check_op("cross_entropy", [logits], (target, -100, reduction), "triton", 1e-4, upstream_one, **kwargs)
@@ -263,21 +274,32 @@ def test_cross_entropy_padded_row_width(ops):
     assert (buffer[:, vocab:] == 0).all()
 
 
-@pytest.mark.parametrize("rows, hidden, vocab, reduction, chunk_bytes, z_loss", [
-    (1, 123, 50257, "mean", None, 0.0),
-    (123, 760, 4099, "sum", 600_000, 1e-2),  # 4 chunks of 31 rows, the last one short
-    (123, 2048, 1000, "mean", 150_000, 1e-2),
-    (199, 123, 1000, "none", 200_000, 1e-2),  # gradients recomputed in the backward
-    (199, 64, 123, "mean", 20_000, 0.0),  # row stride 128; 6 chunks of 34 rows, several rows per program
-    (123, 32, 1, "sum", None, 1e-2),  # row stride 64
-])
+@pytest.mark.parametrize(
+    "rows, hidden, vocab, reduction, chunk_bytes, z_loss",
+    [
+        (1, 123, 50257, "mean", None, 0.0),
+        (123, 760, 4099, "sum", 600_000, 1e-2),  # 4 chunks of 31 rows, the last one short
+        (123, 2048, 1000, "mean", 150_000, 1e-2),
+        (199, 123, 1000, "none", 200_000, 1e-2),  # gradients recomputed in the backward
+        (199, 64, 123, "mean", 20_000, 0.0),  # row stride 128; 6 chunks of 34 rows, several rows per program
+        (123, 32, 1, "sum", None, 1e-2),  # row stride 64
+    ],
+)
 def test_linear_cross_entropy(ops, monkeypatch, rows, hidden, vocab, reduction, chunk_bytes, z_loss):
     if chunk_bytes:
         monkeypatch.setattr(ops.linear_cross_entropy, "CHUNK_BYTES", chunk_bytes)
     x, w = torch.randn(rows, hidden), torch.randn(vocab, hidden) / hidden**0.5
     target = _targets(rows, vocab, 0.2)
-    _check_op("linear_cross_entropy", [x, w], (target, -100, reduction), "triton", 1e-4, reduction == "mean",
-              z_loss=z_loss, return_z_loss=True)
+    _check_op(
+        "linear_cross_entropy",
+        [x, w],
+        (target, -100, reduction),
+        "triton",
+        1e-4,
+        reduction == "mean",
+        z_loss=z_loss,
+        return_z_loss=True,
+    )
 
 
 def test_fp32_accumulation_probe_checks_the_value(monkeypatch):
@@ -308,8 +330,9 @@ def test_all_targets_ignored(ops, op, reduction):
     """As F.cross_entropy: "mean" over zero tokens is nan, "sum" is 0, and so is the z-loss term;
     the gradients are all 0."""
     inputs = [torch.randn(7, 1000)] if op == "cross_entropy" else [torch.randn(7, 32), torch.randn(1000, 32)]
-    _check_op(op, inputs, (torch.full((7,), -100), -100, reduction), "triton", 1e-4, True,
-              z_loss=1e-2, return_z_loss=True)
+    _check_op(
+        op, inputs, (torch.full((7,), -100), -100, reduction), "triton", 1e-4, True, z_loss=1e-2, return_z_loss=True
+    )
 
 
 @pytest.mark.parametrize("op, kwargs", HALF_CASES)
@@ -350,14 +373,19 @@ def _opcheck_cases(dtype: torch.dtype) -> dict[str, tuple]:
         "rms_norm_backward": (fastpt.rms_norm_backward, (randn(64, 48).t(), x, norm_w, rstd)),
         "cross_entropy_backward": (fastpt.cross_entropy_backward, (logits, target, lse, rows, -100, 1e-2)),
         "cross_entropy_backward_": (fastpt.cross_entropy_backward_, (logits.clone(), target, lse, rows, -100, 1e-2)),
-        "linear_cross_entropy_backward": (fastpt.linear_cross_entropy_backward, (h, w, target, rows, -100, 1e-2, dtype)),
+        "linear_cross_entropy_backward": (
+            fastpt.linear_cross_entropy_backward,
+            (h, w, target, rows, -100, 1e-2, dtype),
+        ),
     }
     for inplace in (False, True):
         cases[f"cross_entropy/{inplace}"] = (fastpt.cross_entropy, (grad(logits), target, -100, 1e-2, inplace))
     for reduction in ("mean", "none"):
         for with_grad in (True, False):
             cases[f"linear_cross_entropy/{reduction}/{with_grad}"] = (
-                fastpt.linear_cross_entropy, (grad(h), grad(w), target, -100, reduction, 1e-2, dtype, with_grad))
+                fastpt.linear_cross_entropy,
+                (grad(h), grad(w), target, -100, reduction, 1e-2, dtype, with_grad),
+            )
     return cases
 
 
@@ -413,8 +441,9 @@ def test_bad_arguments(monkeypatch):
         with pytest.raises(ValueError, match="logits must be 2-D"):
             kernels.cross_entropy(x[None], torch.zeros(1, 2, dtype=torch.long), backend=backend)
         with pytest.raises(ValueError, match="input must be 2-D"):
-            kernels.linear_cross_entropy(x[None], torch.ones(3, 8), torch.zeros(1, 2, dtype=torch.long),
-                                         backend=backend)
+            kernels.linear_cross_entropy(
+                x[None], torch.ones(3, 8), torch.zeros(1, 2, dtype=torch.long), backend=backend
+            )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not torch.cuda.is_available():
         assert not kernels.available()
@@ -437,7 +466,7 @@ def test_reference_z_loss():
     assert torch.equal(reference.cross_entropy(logits, target, z_loss=0.0), ce)
     loss.backward()  # d/dx (ce + 1e-2 lse^2 / n) = (softmax - onehot) / n + 2e-2 lse softmax / n
     p = logits.detach().softmax(-1)
-    expected = (p * (1 + 2e-2 * logits.detach().logsumexp(-1, keepdim=True)) - F.one_hot(target.clamp(min=0), 11))
+    expected = p * (1 + 2e-2 * logits.detach().logsumexp(-1, keepdim=True)) - F.one_hot(target.clamp(min=0), 11)
     expected = expected * counted[:, None] / counted.sum()
     torch.testing.assert_close(logits.grad, expected)
 
@@ -456,8 +485,9 @@ class _Head(torch.nn.Module):
         h = kernels.rms_norm(h, self.norm_weight, backend=self.backend)
         loss = kernels.linear_cross_entropy(h.flatten(0, 1), self.embedding, target, z_loss=1e-3, backend=self.backend)
         logits = h[:, -1] @ self.embedding.T
-        last = kernels.cross_entropy(logits, target[: logits.shape[0]], z_loss=1e-3, inplace_backward=True,
-                                     backend=self.backend)
+        last = kernels.cross_entropy(
+            logits, target[: logits.shape[0]], z_loss=1e-3, inplace_backward=True, backend=self.backend
+        )
         return loss + last
 
 
@@ -512,6 +542,7 @@ def test_tiny_model_trains_like_reference(ops):
 
 
 # ---------------------------------------------------------------------------- CUDA only
+
 
 @cuda
 @pytest.mark.gpu

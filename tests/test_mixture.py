@@ -1,5 +1,6 @@
 """--data mixtures: several prepared datasets sampled by weight, deterministic, striped over
 ranks and exact on resume; every mistake in the spec is one line naming it."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, assert_one_line_error, run_main
 
+from conftest import TINY, assert_one_line_error, run_main
 from fastpt import train
 from fastpt.config import resolve
 from fastpt.data import TrainLoader, data_sources
@@ -66,8 +67,10 @@ def test_a_mixture_draws_each_source_at_its_weight_and_resumes_exactly(tmp_path)
 def two_sets(tmp_path_factory):
     """Two byte-level datasets (one tokenizer) and one with a BPE: a mixture may join only the first two."""
     root = tmp_path_factory.mktemp("mix")
-    for name, text in (("web", "plain prose, sentence after sentence. " * 300),
-                       ("code", "def f(x):\n    return x + 1\n" * 400)):
+    for name, text in (
+        ("web", "plain prose, sentence after sentence. " * 300),
+        ("code", "def f(x):\n    return x + 1\n" * 400),
+    ):
         (root / f"{name}.txt").write_text(text)
         prepare([root / f"{name}.txt"], root / name, "bytes", workers=1, val_fraction=0.1)
     prepare([root / "web.txt"], root / "bpe", "bpe", 300, workers=1, val_fraction=0.1)
@@ -76,8 +79,11 @@ def two_sets(tmp_path_factory):
 
 def test_a_mixture_trains_and_the_summary_shows_each_share(two_sets, tmp_path, capsys):
     spec = f"{two_sets / 'web'}:3,{two_sets / 'code'}:1"
-    code, out, err = run_main(train.main, [*TINY, "--data", spec, "--out", str(tmp_path / "run"),
-                                           "--max-steps", "2", "--eval-every", "2"], capsys)
+    code, out, err = run_main(
+        train.main,
+        [*TINY, "--data", spec, "--out", str(tmp_path / "run"), "--max-steps", "2", "--eval-every", "2"],
+        capsys,
+    )
     assert code == 0, err
     summary = next(line for line in out.splitlines() if line.startswith("data "))
     assert f"{two_sets / 'web'} 75.0%:" in summary and f"{two_sets / 'code'} 25.0%:" in summary
@@ -89,8 +95,7 @@ def test_the_toml_table_form_is_the_same_mixture(two_sets, tmp_path):
     config.write_text(f'max_steps = 3\n\n[data]\n"{two_sets / "web"}" = 0.8\n"{two_sets / "code"}" = 0.2\n')
     cfg = resolve({}, str(config), "cpu")
     assert cfg.max_steps == 3
-    assert [(s.folder, s.weight) for s in data_sources(cfg.data)] == [(two_sets / "web", 0.8),
-                                                                      (two_sets / "code", 0.2)]
+    assert [(s.folder, s.weight) for s in data_sources(cfg.data)] == [(two_sets / "web", 0.8), (two_sets / "code", 0.2)]
 
 
 MIX_MISTAKES = {
@@ -107,14 +112,30 @@ MIX_MISTAKES = {
 @pytest.mark.parametrize("case", MIX_MISTAKES)
 def test_mixture_mistakes_are_one_line_naming_them(case, two_sets, tmp_path, capsys):
     spec, named = (v.format(web=two_sets / "web", code=two_sets / "code", root=two_sets) for v in MIX_MISTAKES[case])
-    code, _, err = run_main(train.main, [*TINY, "--data", spec, "--out", str(tmp_path / "run"), "--max-steps", "1"],
-                            capsys)
+    code, _, err = run_main(
+        train.main, [*TINY, "--data", spec, "--out", str(tmp_path / "run"), "--max-steps", "1"], capsys
+    )
     assert_one_line_error(code, err, named)
 
 
 def test_a_bos_mixture_run_resumed_from_its_checkpoint_logs_what_the_whole_run_logs(two_sets, tmp_path, capsys):
-    args = [*TINY, "--data", f"{two_sets / 'web'}:0.6,{two_sets / 'code'}:0.4", "--packing", "bos",
-            "--max-steps", "6", "--log-every", "1", "--ckpt-every", "3", "--eval-every", "3", "--eval-tokens", "256"]
+    args = [
+        *TINY,
+        "--data",
+        f"{two_sets / 'web'}:0.6,{two_sets / 'code'}:0.4",
+        "--packing",
+        "bos",
+        "--max-steps",
+        "6",
+        "--log-every",
+        "1",
+        "--ckpt-every",
+        "3",
+        "--eval-every",
+        "3",
+        "--eval-tokens",
+        "256",
+    ]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert run_main(train.main, [*args, "--out", str(whole)], capsys)[0] == 0
     resumed.mkdir()
@@ -122,6 +143,10 @@ def test_a_bos_mixture_run_resumed_from_its_checkpoint_logs_what_the_whole_run_l
     assert run_main(train.main, [*args, "--out", str(resumed), "--resume"], capsys)[0] == 0
 
     def after_step_3(run):
-        return [{k: r[k] for k in ("step", "loss", "val_loss", "val_bpb") if k in r}
-                for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["step"] > 3]
+        return [
+            {k: r[k] for k in ("step", "loss", "val_loss", "val_bpb") if k in r}
+            for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["step"] > 3
+        ]
+
     assert after_step_3(resumed) == after_step_3(whole) and len(after_step_3(whole)) == 4  # 3 train + 1 eval

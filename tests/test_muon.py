@@ -1,6 +1,7 @@
 """--optimizer muon: torch.optim.Muon for the blocks' matrices beside the seed's two AdamW groups,
 used by the loop, the GradScaler and checkpoints as one optimizer; it trains, resumes bit for bit
 after SIGKILL, follows one process under DDP, and is refused under FSDP in one line."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -106,9 +107,29 @@ def test_both_optimizers_state_round_trips_through_a_checkpoint(tmp_path):
 
 
 def test_muon_trains(tiny_data, tmp_path, capsys):
-    code, _, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "30",
-                                         "--warmup-steps", "3", "--log-every", "5", "--eval-every", "30",
-                                         "--eval-tokens", "256", "--optimizer", "muon"], capsys)
+    code, _, err = run_main(
+        train.main,
+        [
+            *TINY,
+            "--data",
+            str(tiny_data),
+            "--out",
+            str(tmp_path),
+            "--max-steps",
+            "30",
+            "--warmup-steps",
+            "3",
+            "--log-every",
+            "5",
+            "--eval-every",
+            "30",
+            "--eval-tokens",
+            "256",
+            "--optimizer",
+            "muon",
+        ],
+        capsys,
+    )
     assert code == 0, err
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert losses[-1] < losses[0] - 1.0, losses
@@ -149,22 +170,41 @@ def test_muon_with_wsd_resumes_bit_identically_after_sigkill(tiny_data, tmp_path
 
 
 def test_resuming_with_another_optimizer_is_one_line(tiny_data, tmp_path, capsys):
-    args = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "2", "--eval-every", "2",
-            "--eval-tokens", "128"]
+    args = [
+        *TINY,
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path),
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-tokens",
+        "128",
+    ]
     assert run_main(train.main, args, capsys)[0] == 0
-    train_refuses(capsys, [*args, "--max-steps", "4", "--resume", "--optimizer", "muon"], "--optimizer adamw",
-                  "ckpt_00000002.pt")
+    train_refuses(
+        capsys, [*args, "--max-steps", "4", "--resume", "--optimizer", "muon"], "--optimizer adamw", "ckpt_00000002.pt"
+    )
 
 
 def test_muon_under_fsdp_is_refused_in_one_line(tmp_path, capsys):
-    train_refuses(capsys, [*TINY, "--out", str(tmp_path), "--optimizer", "muon", "--parallel", "fsdp"],
-                  "'optimizer' = 'muon'", "'fsdp'", "shard")
+    train_refuses(
+        capsys,
+        [*TINY, "--out", str(tmp_path), "--optimizer", "muon", "--parallel", "fsdp"],
+        "'optimizer' = 'muon'",
+        "'fsdp'",
+        "shard",
+    )
 
 
 @pytest.mark.slow
 def test_muon_with_document_attention_under_ddp_follows_one_process(tiny_data, tmp_path):
-    from test_distributed import assert_same_curve, train as train_dist
+    from test_distributed import assert_same_curve
+    from test_distributed import train as train_dist
 
     recipe = ("--optimizer", "muon", "--attention", "document", "--schedule", "wsd")
-    assert_same_curve(train_dist(tiny_data, tmp_path / "ddp", 2, *recipe),
-                      train_dist(tiny_data, tmp_path / "one", 0, *recipe))
+    assert_same_curve(
+        train_dist(tiny_data, tmp_path / "ddp", 2, *recipe), train_dist(tiny_data, tmp_path / "one", 0, *recipe)
+    )

@@ -1,5 +1,6 @@
 """The installed distribution owns no top-level import name of another distribution's: kernels/
 installs as fastpt.kernels, and bench/ runs from the checkout only."""
+
 from __future__ import annotations
 
 import subprocess
@@ -24,8 +25,10 @@ def test_another_top_level_kernels_package_does_not_touch_fastpt(tmp_path):
     other = tmp_path / "kernels"
     other.mkdir()
     (other / "__init__.py").write_text("raise ImportError('the other kernels package was imported')\n")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import fastpt.model, fastpt.kernels as k; "
-            "assert 'kernels' not in sys.modules; print(k.__file__)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import fastpt.model, fastpt.kernels as k; "
+        "assert 'kernels' not in sys.modules; print(k.__file__)"
+    )
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(REPO / "kernels" / "__init__.py")

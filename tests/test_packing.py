@@ -1,13 +1,14 @@
 """--packing bos: every window starts at a document token and holds whole documents best-fit
 (the one that does not fit cropped), seeded, striped over ranks and exact on resume."""
+
 from __future__ import annotations
 
 import json
 
 import numpy as np
 import torch
-from conftest import TINY, assert_one_line_error, run_main
 
+from conftest import TINY, assert_one_line_error, run_main
 from fastpt import train
 from fastpt.data import TrainLoader, doc_token
 from fastpt.shards import write_shard
@@ -37,8 +38,10 @@ def test_best_fit_takes_the_longest_that_fits_then_crops_the_shortest():
 def test_bos_windows_start_at_a_document_and_hold_whole_documents(tmp_path):
     rng = np.random.default_rng(0)
     docs = documents(rng, 400, 24) + [np.concatenate(([DOC], np.full(100, LONG)))]  # one longer than a window
-    shards = [write_docs(tmp_path / "train_000000.bin", docs[:200], head=9),
-              write_docs(tmp_path / "train_000001.bin", docs[200:])]
+    shards = [
+        write_docs(tmp_path / "train_000000.bin", docs[:200], head=9),
+        write_docs(tmp_path / "train_000001.bin", docs[200:]),
+    ]
     seq_len = 32
     windows = BosWindows(shards, seq_len, DOC)
     rows = windows.gather(np.arange(len(windows))).numpy()  # (N, seq_len + 1)
@@ -85,8 +88,23 @@ def test_bos_loader_is_seeded_striped_and_exact_on_resume(tmp_path):
 
 def test_bos_trains_and_the_summary_says_what_it_drops(tiny_data, tmp_path, capsys):
     assert doc_token(tiny_data, "test") == json.loads((tiny_data / "meta.json").read_text())["eot_id"] == 256
-    code, out, err = run_main(train.main, [*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"),
-                                           "--packing", "bos", "--max-steps", "3", "--log-every", "1"], capsys)
+    code, out, err = run_main(
+        train.main,
+        [
+            *TINY,
+            "--data",
+            str(tiny_data),
+            "--out",
+            str(tmp_path / "run"),
+            "--packing",
+            "bos",
+            "--max-steps",
+            "3",
+            "--log-every",
+            "1",
+        ],
+        capsys,
+    )
     assert code == 0, err
     summary = next(line for line in out.splitlines() if line.startswith("data "))
     assert "| packing bos |" in summary and "bos drops" in summary
@@ -99,6 +117,21 @@ def test_bos_on_data_without_a_document_token_is_one_line_naming_the_folder(tmp_
     folder.mkdir()
     for split in ("train", "val"):
         (folder / f"{split}.bin").write_bytes(np.arange(5000, dtype=np.uint16).tobytes())
-    code, _, err = run_main(train.main, [*TINY, "--data", str(folder), "--data-format", "nanogpt", "--packing", "bos",
-                                         "--out", str(tmp_path / "run"), "--max-steps", "1"], capsys)
+    code, _, err = run_main(
+        train.main,
+        [
+            *TINY,
+            "--data",
+            str(folder),
+            "--data-format",
+            "nanogpt",
+            "--packing",
+            "bos",
+            "--out",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "1",
+        ],
+        capsys,
+    )
     assert_one_line_error(code, err, str(folder), "'packing' = 'bos'")

@@ -6,6 +6,7 @@ SIGKILL at a chosen point (during a step, after a logged step, or halfway throug
 checkpoint), NaN losses at chosen steps, a disk that fills up after a step, or a file-size limit
 that makes big writes fail like a full disk (EFBIG, also for root).
 """
+
 from __future__ import annotations
 
 import json
@@ -79,14 +80,38 @@ errors.run_command(lambda: train.main(argv))
 
 def run_faulty(fault: str, at: int | str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", FAULTY_TRAIN, fault, str(at), *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-c", FAULTY_TRAIN, fault, str(at), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def run_args(data: Path, out: Path, *extra: str) -> tuple[str, ...]:
     """10 steps of 2 micro-batches, every step logged, checkpoints at 4 and 8 (keep 2) and the end."""
-    return (*TINY, "--data", str(data), "--out", str(out), "--max-steps", "10", "--grad-accum", "2",
-            "--log-every", "1", "--eval-every", "5", "--ckpt-every", "4", "--keep-checkpoints", "2", *extra)
+    return (
+        *TINY,
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-steps",
+        "10",
+        "--grad-accum",
+        "2",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "5",
+        "--ckpt-every",
+        "4",
+        "--keep-checkpoints",
+        "2",
+        *extra,
+    )
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -122,9 +147,15 @@ def records(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
 
 
-@pytest.mark.parametrize("log_every, ckpt_every", [  # (3, 4): a log window straddles the checkpoint
-    pytest.param(1, 4, marks=pytest.mark.slow), (3, 4), pytest.param(4, 3, marks=pytest.mark.slow),
-    pytest.param(5, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "log_every, ckpt_every",
+    [  # (3, 4): a log window straddles the checkpoint
+        pytest.param(1, 4, marks=pytest.mark.slow),
+        (3, 4),
+        pytest.param(4, 3, marks=pytest.mark.slow),
+        pytest.param(5, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_resume_after_sigkill_logs_what_the_uninterrupted_run_logs(tiny_data, tmp_path, log_every, ckpt_every):
     """SIGKILL in the middle of a random step, resume: every record (loss averaged over a log window
     that straddles the checkpoint too, lr, grad norm, tokens, val loss) equals the uninterrupted run's."""
@@ -154,15 +185,32 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tiny_data, t
     assert not list(tmp_path.glob(".*.tmp*"))  # the next save cleared the leftover
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
-                         ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"]
+)
 def test_preemption_checkpoints_exits_0_and_resumes(tiny_data, tmp_path, sig):
-    args = (*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1", "--eval-every", "1000",
-            "--ckpt-every", "1000")
+    args = (
+        *TINY,
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path),
+        "--log-every",
+        "1",
+        "--eval-every",
+        "1000",
+        "--ckpt-every",
+        "1000",
+    )
     with open(tmp_path / "stdout.txt", "w") as stdout:
-        proc = subprocess.Popen([sys.executable, "-m", "fastpt.train", *args, "--max-steps", "1000"],
-                                cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=stdout,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fastpt.train", *args, "--max-steps", "1000"],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 120
         while "Step" not in (tmp_path / "stdout.txt").read_text():  # training has begun
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
@@ -183,8 +231,10 @@ def test_nonfinite_loss_stops_naming_the_step(tiny_data, tmp_path):
     # Checked at log / checkpoint steps only (no per-step sync): found at step 8, named as step 6.
     result = run_faulty("nan-at", "6", *run_args(tiny_data, tmp_path, "--log-every", "4"))
     assert result.returncode == 1
-    assert ("fastpt: error: non-finite loss or gradient norm at step 6; stopped, the latest checkpoint "
-            "(ckpt_00000004.pt) predates it") in result.stderr
+    assert (
+        "fastpt: error: non-finite loss or gradient norm at step 6; stopped, the latest checkpoint "
+        "(ckpt_00000004.pt) predates it"
+    ) in result.stderr
     assert ckpt_names(tmp_path) == ["ckpt_00000004.pt"]  # nothing saved from the poisoned weights
     assert [s for s, _ in losses(tmp_path)] == [4]
 
@@ -206,8 +256,9 @@ def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(reference
     args = run_args(tiny_data, run_dir, "--max-steps", "12", "--resume")
     result = run_faulty("file-size-limit", 1 << 20, *args)  # checkpoints are ~5 MB
     assert result.returncode == 1  # the final checkpoint is lost: not a success
-    assert (f"could not write checkpoint {run_dir / 'ckpt_00000012.pt'}: File too large; "
-            "ckpt_00000010.pt is intact") in result.stderr
+    assert (
+        f"could not write checkpoint {run_dir / 'ckpt_00000012.pt'}: File too large; ckpt_00000010.pt is intact"
+    ) in result.stderr
     assert "Traceback" not in result.stderr
     assert checkpoint.latest(run_dir).name == "ckpt_00000010.pt"
     assert checkpoint.step_of(checkpoint.load(checkpoint.latest(run_dir))) == 10
@@ -216,11 +267,13 @@ def test_failed_checkpoint_write_is_reported_and_the_previous_one_kept(reference
 
 # ---- bad input: one line on stderr, exit code 2, no traceback
 
+
 def set_header(index: int, value: int):
     def edit(shard: Path) -> None:
         with open(shard, "r+b") as f:
             f.seek(4 * index)
             f.write(np.int32(value).tobytes())
+
     return edit
 
 
@@ -228,15 +281,21 @@ BAD_SHARDS = {
     "bad magic": (set_header(0, 12345), "bad magic 12345"),
     "bad version": (set_header(1, 3), "version 3 does not match magic 20240520"),
     "truncated": (lambda p: os.truncate(p, p.stat().st_size - 2), "header says"),
-    "dangling symlink (beside meta.json)": (lambda p: (p.unlink(), p.symlink_to(p.with_name("gone.bin"))),
-                                            "a dangling symlink"),
-    "token id out of range": (lambda p: write_shard(p, np.arange(301)),
-                              "token id 300 is out of range for vocab size 257"),
+    "dangling symlink (beside meta.json)": (
+        lambda p: (p.unlink(), p.symlink_to(p.with_name("gone.bin"))),
+        "a dangling symlink",
+    ),
+    "token id out of range": (
+        lambda p: write_shard(p, np.arange(301)),
+        "token id 300 is out of range for vocab size 257",
+    ),
 }
 
 BAD_ARGS = {
-    "unknown flag": (["--max-stpes", "5"],
-                     "command line: unrecognized argument '--max-stpes' (did you mean '--max-steps'?)"),
+    "unknown flag": (
+        ["--max-stpes", "5"],
+        "command line: unrecognized argument '--max-stpes' (did you mean '--max-steps'?)",
+    ),
     "bad flag value": (["--lr", "fast"], "command line: argument --lr: invalid float value: 'fast'"),
     "zero lr": (["--lr", "0"], "'lr' must be > 0, got 0.0"),
     "negative lr": (["--lr", "-0.001"], "'lr' must be > 0, got -0.001"),
@@ -287,15 +346,19 @@ def test_bad_argument_is_one_line(case, tiny_data, tmp_path, capsys):
 
 def test_triton_kernels_without_a_gpu_or_the_interpreter(tiny_data, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    train_refuses(capsys, base_args(tiny_data, tmp_path) + ["--kernels", "triton"],
-               "'kernels' = 'triton' cannot run here")
+    train_refuses(
+        capsys, base_args(tiny_data, tmp_path) + ["--kernels", "triton"], "'kernels' = 'triton' cannot run here"
+    )
 
 
 BAD_TOML = {
     "wrong type": ('lr = "fast"\n', "'lr' must be float, got 'fast'"),
     "not TOML": ("lr = = 1\n", "not valid TOML"),
     "binary": ("\x00\xff\xfe garbage", "not valid TOML"),
-    "unknown key": ("max_steps = 10\nwarmup_step = 2\n", "unknown config key 'warmup_step' (did you mean 'warmup_steps'?)"),
+    "unknown key": (
+        "max_steps = 10\nwarmup_step = 2\n",
+        "unknown config key 'warmup_step' (did you mean 'warmup_steps'?)",
+    ),
     "bad shape": ("n_layers = 0\n", "'n_layers' must be > 0, got 0"),
 }
 
@@ -306,35 +369,55 @@ def test_bad_config_file_is_one_line(case, tiny_data, tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_bytes(text.encode("latin-1"))
     train_refuses(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(config)], expected)
-    train_refuses(capsys, base_args(tiny_data, tmp_path / "run") + ["--config", str(tmp_path / "missing.toml")],
-               f"config file not found: {tmp_path / 'missing.toml'}")
+    train_refuses(
+        capsys,
+        base_args(tiny_data, tmp_path / "run") + ["--config", str(tmp_path / "missing.toml")],
+        f"config file not found: {tmp_path / 'missing.toml'}",
+    )
 
 
 def test_missing_or_empty_data_folder(tmp_path, capsys):
-    train_refuses(capsys, base_args(tmp_path / "nope", tmp_path / "run"),
-               f"data folder {tmp_path / 'nope'} does not exist")
+    train_refuses(
+        capsys, base_args(tmp_path / "nope", tmp_path / "run"), f"data folder {tmp_path / 'nope'} does not exist"
+    )
     (tmp_path / "empty").mkdir()
-    train_refuses(capsys, base_args(tmp_path / "empty", tmp_path / "run"),
-               f"data folder {tmp_path / 'empty'} has no *train_*.bin files")
+    train_refuses(
+        capsys,
+        base_args(tmp_path / "empty", tmp_path / "run"),
+        f"data folder {tmp_path / 'empty'} has no *train_*.bin files",
+    )
 
 
 def test_unusable_run_folder(tiny_data, tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    train_refuses(capsys, base_args(tiny_data, tmp_path / "file" / "run"),
-               f"'out' = '{tmp_path / 'file' / 'run'}': cannot write the run folder (Not a directory)")
+    train_refuses(
+        capsys,
+        base_args(tiny_data, tmp_path / "file" / "run"),
+        f"'out' = '{tmp_path / 'file' / 'run'}': cannot write the run folder (Not a directory)",
+    )
     (tmp_path / "ckpt_00000004.pt").write_bytes(b"not a checkpoint")
-    train_refuses(capsys, base_args(tiny_data, tmp_path),
-               "already holds a run (newest checkpoint ckpt_00000004.pt): add --resume to continue it")
-    train_refuses(capsys, base_args(tiny_data, tmp_path) + ["--resume"],
-               f"no checkpoint in {tmp_path} loads; newest: could not read checkpoint {tmp_path / 'ckpt_00000004.pt'}")
+    train_refuses(
+        capsys,
+        base_args(tiny_data, tmp_path),
+        "already holds a run (newest checkpoint ckpt_00000004.pt): add --resume to continue it",
+    )
+    train_refuses(
+        capsys,
+        base_args(tiny_data, tmp_path) + ["--resume"],
+        f"no checkpoint in {tmp_path} loads; newest: could not read checkpoint {tmp_path / 'ckpt_00000004.pt'}",
+    )
 
 
 def test_resume_with_another_model_names_the_difference(reference, tiny_data, capsys):
-    train_refuses(capsys, base_args(tiny_data, reference) + ["--resume", "--n-layers", "3", "--no-tie-embeddings"],
-               "ckpt_00000010.pt was written for another model (n_layers 2 != 3, tie_embeddings True != False)")
+    train_refuses(
+        capsys,
+        base_args(tiny_data, reference) + ["--resume", "--n-layers", "3", "--no-tie-embeddings"],
+        "ckpt_00000010.pt was written for another model (n_layers 2 != 3, tie_embeddings True != False)",
+    )
 
 
 # ---- history is never lost
+
 
 def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(reference, tiny_data, tmp_path):
     run_dir = tmp_path / "run"
@@ -348,15 +431,20 @@ def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(reference
     assert f"resumed from {run_dir / 'ckpt_00000008.pt'} at step 8" in result.stdout
     warnings = [line for line in result.stderr.splitlines() if "skipped a newer checkpoint" in line]
     assert len(warnings) == 2, result.stderr
-    assert f"{run_dir / 'ckpt_00000011.pt'} is not a fastpt checkpoint (no 'model_config', 'train_state')" in warnings[0]
+    assert (
+        f"{run_dir / 'ckpt_00000011.pt'} is not a fastpt checkpoint (no 'model_config', 'train_state')" in warnings[0]
+    )
     assert f"could not read checkpoint {newest}" in warnings[1]
     assert losses(run_dir) == losses(reference)  # steps 9 and 10 trained again, identically
 
 
 def test_a_fresh_run_never_erases_an_earlier_runs_metrics(tiny_data, tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-    train_refuses(capsys, base_args(tiny_data, tmp_path),
-               f"{tmp_path} holds an earlier run's metrics.jsonl (and no checkpoint): add --resume")
+    train_refuses(
+        capsys,
+        base_args(tiny_data, tmp_path),
+        f"{tmp_path} holds an earlier run's metrics.jsonl (and no checkpoint): add --resume",
+    )
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 5.0}\n'
 
 
@@ -382,8 +470,9 @@ def test_metrics_rewind_is_atomic(tmp_path, monkeypatch):
 def mount_tmpfs(mount: Path, size: str):
     """A real filesystem of `size` (tmpfs) at `mount`, where the machine lets the tests mount one."""
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-                      capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
         pytest.skip("mounting a tmpfs is not permitted here (the RLIMIT_FSIZE tests cover failed writes)")
     try:
         yield mount
@@ -413,8 +502,10 @@ def test_a_full_disk_is_survived_and_the_final_checkpoint_attempted(small_disk, 
     assert result.returncode == 1, result.stderr  # the final checkpoint could not be written
     assert "Traceback" not in result.stderr
     assert result.stderr.count(f"fastpt: warning: could not write {run_dir / 'metrics.jsonl'}") == 1
-    assert (f"could not write checkpoint {run_dir / 'ckpt_00000030.pt'}: No space left on device; "
-            "ckpt_00000004.pt is intact") in result.stderr
+    assert (
+        f"could not write checkpoint {run_dir / 'ckpt_00000030.pt'}: No space left on device; "
+        "ckpt_00000004.pt is intact"
+    ) in result.stderr
     assert "Step    30/30" in result.stdout  # trained to the end
     logged = [s for s, _ in losses(run_dir)]
     assert logged[:5] == [1, 2, 3, 4, 5] and len(logged) < 30
@@ -427,9 +518,16 @@ def test_a_full_disk_is_survived_and_the_final_checkpoint_attempted(small_disk, 
 
 # ---- one owner per run folder
 
+
 def start_train(*args: str, stdout) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fastpt.train", *args], cwd=REPO, stdout=stdout,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "fastpt.train", *args],
+        cwd=REPO,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def wait_for(text: str, path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -440,15 +538,28 @@ def wait_for(text: str, path: Path, proc: subprocess.Popen, timeout: float = 120
 
 
 def test_a_second_trainer_on_the_same_folder_is_refused_and_a_killed_one_leaves_no_lock(tiny_data, tmp_path):
-    args = (*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--log-every", "1",
-            "--ckpt-every", "2", "--eval-every", "1000")
+    args = (
+        *TINY,
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path / "run"),
+        "--log-every",
+        "1",
+        "--ckpt-every",
+        "2",
+        "--eval-every",
+        "1000",
+    )
     with open(tmp_path / "first.txt", "w") as stdout:
         first = start_train(*args, "--max-steps", "100000", stdout=stdout)
         wait_for("saved", tmp_path / "first.txt", first)
         second = run_train(*args, "--max-steps", "100000", "--resume")
         assert second.returncode == 2
-        assert second.stderr == (f"fastpt: error: {tmp_path / 'run'} is in use by another trainer (pid {first.pid} "
-                                 f"on {socket.gethostname()}); wait for it to end or choose another --out\n")
+        assert second.stderr == (
+            f"fastpt: error: {tmp_path / 'run'} is in use by another trainer (pid {first.pid} "
+            f"on {socket.gethostname()}); wait for it to end or choose another --out\n"
+        )
         first.kill()
         first.wait()
     saved = checkpoint.step_of(checkpoint.load(checkpoint.latest(tmp_path / "run")))
@@ -458,9 +569,15 @@ def test_a_second_trainer_on_the_same_folder_is_refused_and_a_killed_one_leaves_
 
 # ---- Ctrl-C
 
+
 def test_ctrl_c_while_importing_is_one_line_and_exit_130(tiny_data, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "fastpt.train", *base_args(tiny_data, tmp_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastpt.train", *base_args(tiny_data, tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text():  # `import torch` is under way
         assert proc.poll() is None and time.monotonic() < deadline
@@ -475,8 +592,13 @@ def test_ctrl_c_while_importing_is_one_line_and_exit_130(tiny_data, tmp_path):
 def test_a_run_outlives_the_reader_of_its_output(tiny_data, tmp_path):
     """`python -m fastpt.train ... | head -3`: the pipe closes, the run goes on to its last step and
     checkpoint, its metrics.jsonl whole, and exits 0."""
-    proc = subprocess.Popen([sys.executable, "-m", "fastpt.train", *run_args(tiny_data, tmp_path)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fastpt.train", *run_args(tiny_data, tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     for _ in range(3):
         proc.stdout.readline()
     proc.stdout.close()
@@ -488,31 +610,49 @@ def test_a_run_outlives_the_reader_of_its_output(tiny_data, tmp_path):
 
 # ---- fastpt.plot on what a crash leaves
 
+
 def train_record(step: int) -> str:
     return json.dumps({"step": step, "loss": 5.0 / step, "tokens": 128 * step, "lr": 1e-3, "tok_s": 1000.0})
 
 
-DAMAGED_LINES = [b"\xff\xfe not UTF-8", bytes(range(14, 256)) * 4, b"[1, 2, 3]", b'{"loss": 1.0, "tokens": 1}',
-                 b'{"step": "3", "loss": 1.0, "tokens": 1, "lr": 0.1, "tok_s": 1.0}', b'{"step": 4, "loss": "low"}']
+DAMAGED_LINES = [
+    b"\xff\xfe not UTF-8",
+    bytes(range(14, 256)) * 4,
+    b"[1, 2, 3]",
+    b'{"loss": 1.0, "tokens": 1}',
+    b'{"step": "3", "loss": 1.0, "tokens": 1, "lr": 0.1, "tok_s": 1.0}',
+    b'{"step": 4, "loss": "low"}',
+]
 
 
 def test_plot_skips_damaged_lines_and_says_how_many(tmp_path, capsys):
     from fastpt import plot
-    lines = [train_record(1).encode(), *DAMAGED_LINES, train_record(2).encode(),
-             b'{"step": 2, "val_loss": 2.5, "val_ppl": 12.2}', train_record(3).encode()[:20]]  # cut by a kill
+
+    lines = [
+        train_record(1).encode(),
+        *DAMAGED_LINES,
+        train_record(2).encode(),
+        b'{"step": 2, "val_loss": 2.5, "val_ppl": 12.2}',
+        train_record(3).encode()[:20],
+    ]  # cut by a kill
     (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
     code, out, err = run_main(plot.main, [str(tmp_path)], capsys)
     assert code == 0, err
-    assert err == (f"fastpt: warning: {tmp_path / 'metrics.jsonl'}: skipped 7 damaged lines (line 2, 3, 4, ...); "
-                   "plotted 2 train and 1 eval records\n")
+    assert err == (
+        f"fastpt: warning: {tmp_path / 'metrics.jsonl'}: skipped 7 damaged lines (line 2, 3, 4, ...); "
+        "plotted 2 train and 1 eval records\n"
+    )
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(DAMAGED_LINES))
-    assert_one_line_error(*run_main(plot.main, [str(tmp_path)], capsys)[::2],
-                          f"{tmp_path / 'metrics.jsonl'} has no train records (6 damaged lines, the first line 1)")
+    assert_one_line_error(
+        *run_main(plot.main, [str(tmp_path)], capsys)[::2],
+        f"{tmp_path / 'metrics.jsonl'} has no train records (6 damaged lines, the first line 1)",
+    )
 
 
 def test_plot_into_a_folder_it_cannot_write_is_one_line(tmp_path, capsys):
     from fastpt import plot
+
     (tmp_path / "metrics.jsonl").write_text(train_record(1) + "\n" + train_record(2) + "\n")
     code, _, err = run_main(plot.main, [str(tmp_path), "--out", "/proc/loss.png"], capsys)
     assert_one_line_error(code, err, "cannot write /proc/loss.png", "--out", expected_code=1)
@@ -531,10 +671,12 @@ def test_plot_into_a_folder_it_cannot_write_is_one_line(tmp_path, capsys):
 
 # ---- caches and leftovers
 
+
 def test_a_damaged_or_fooled_token_id_cache_is_recomputed(tmp_path):
     """The cache beside a shard: cut off after its key, garbage, or keyed to bytes since rewritten
     (same size, mtime set back): each is recomputed, never trusted or fatal."""
     from fastpt.data import max_token_id
+
     shard = write_shard(tmp_path / "train_000000.bin", np.arange(2000) % 250, 257)
     cache = tmp_path / ".train_000000.bin.maxid"
     assert max_token_id(shard, False) == 249 and cache.is_file()
@@ -577,15 +719,23 @@ def test_a_rewind_killed_midway_keeps_the_history_and_the_next_resume_removes_it
 
 # ---- a full disk in prepare and export: one line naming the path and the OS's reason, exit 1
 
+
 def run_command_line(module: str, *args: str, fsize: int = 0) -> subprocess.CompletedProcess:
     """python -m fastpt.MODULE as a real process; fsize > 0 sets RLIMIT_FSIZE (`ulimit -f`) in it."""
     import resource
 
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
-    return subprocess.run([sys.executable, "-m", f"fastpt.{module}", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          preexec_fn=limit if fsize else None)
+
+    return subprocess.run(
+        [sys.executable, "-m", f"fastpt.{module}", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=limit if fsize else None,
+    )
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
@@ -604,21 +754,26 @@ def test_prepare_onto_a_disk_that_fills_is_one_line_and_keeps_the_earlier_datase
     first = run_command_line("prepare", str(tmp_path / "small.txt"), "--out", str(out), "--tokenizer", "bytes")
     assert first.returncode == 0, first.stderr
     earlier = folder_bytes(out)
-    result = run_command_line("prepare", str(big_corpus(tmp_path)), "--out", str(out), "--tokenizer", "bytes",
-                              "--workers", "1", "--overwrite")
-    assert_one_line_error(result.returncode, result.stderr, f"fastpt.prepare could not write {out}: "
-                          "No space left on device (nothing published; its earlier contents are intact)",
-                          expected_code=1)
+    result = run_command_line(
+        "prepare", str(big_corpus(tmp_path)), "--out", str(out), "--tokenizer", "bytes", "--workers", "1", "--overwrite"
+    )
+    assert_one_line_error(
+        result.returncode,
+        result.stderr,
+        f"fastpt.prepare could not write {out}: "
+        "No space left on device (nothing published; its earlier contents are intact)",
+        expected_code=1,
+    )
     assert os.listdir(tiny_disk) == ["data"] and folder_bytes(out) == earlier  # no temporary folder left
 
 
 def test_prepare_past_a_file_size_limit_is_one_line_not_a_silent_death(tmp_path):
     """`ulimit -f`: a write past it raises SIGXFSZ, which kills a process without a word by default."""
     out = tmp_path / "data"
-    result = run_command_line("prepare", str(big_corpus(tmp_path)), "--out", str(out), "--tokenizer", "bytes",
-                              "--workers", "1", fsize=1 << 20)
-    assert_one_line_error(result.returncode, result.stderr, f"could not write {out}: File too large",
-                          expected_code=1)
+    result = run_command_line(
+        "prepare", str(big_corpus(tmp_path)), "--out", str(out), "--tokenizer", "bytes", "--workers", "1", fsize=1 << 20
+    )
+    assert_one_line_error(result.returncode, result.stderr, f"could not write {out}: File too large", expected_code=1)
     assert sorted(os.listdir(tmp_path)) == ["big.txt"]
 
 
@@ -630,25 +785,30 @@ def test_export_onto_a_disk_that_fills_is_one_line_and_keeps_the_earlier_export(
     free = os.statvfs(tiny_disk).f_bavail * os.statvfs(tiny_disk).f_frsize
     (tiny_disk / "filler").write_bytes(b"\0" * (free - 100_000))  # a nearly full disk
     result = run_command_line("export", str(reference), "--out", str(out), "--overwrite")
-    assert_one_line_error(result.returncode, result.stderr, f"fastpt.export could not write {out}: "
-                          "No space left on device (nothing published; its earlier contents are intact)",
-                          expected_code=1)
+    assert_one_line_error(
+        result.returncode,
+        result.stderr,
+        f"fastpt.export could not write {out}: "
+        "No space left on device (nothing published; its earlier contents are intact)",
+        expected_code=1,
+    )
     assert sorted(os.listdir(tiny_disk)) == ["filler", "hf"] and folder_bytes(out) == earlier
-    limited = run_command_line("export", str(reference), "--out", str(reference.parent / "hf-limited"),
-                               fsize=100_000)
+    limited = run_command_line("export", str(reference), "--out", str(reference.parent / "hf-limited"), fsize=100_000)
     assert_one_line_error(limited.returncode, limited.stderr, "hf-limited: File too large", expected_code=1)
     assert not list(reference.parent.glob("*hf-limited*"))
 
 
 def test_export_overwrite_never_deletes_a_users_file(reference, tmp_path, capsys):
     from fastpt import export
+
     out = tmp_path / "hf"
     assert run_main(export.main, [str(reference), "--out", str(out)], capsys)[0] == 0
     (out / "notes.md").write_text("my eval results")
     before = folder_bytes(out)
     code, _, err = run_main(export.main, [str(reference), "--out", str(out), "--overwrite", "--dtype", "bf16"], capsys)
-    assert_one_line_error(code, err, f"--out {out} holds files that fastpt.export did not write (notes.md): "
-                          "nothing deleted")
+    assert_one_line_error(
+        code, err, f"--out {out} holds files that fastpt.export did not write (notes.md): nothing deleted"
+    )
     assert folder_bytes(out) == before
     (out / "notes.md").unlink()
     assert run_main(export.main, [str(reference), "--out", str(out), "--overwrite", "--dtype", "bf16"], capsys)[0] == 0
@@ -659,10 +819,31 @@ def test_export_overwrite_never_deletes_a_users_file(reference, tmp_path, capsys
 def test_the_soak_command_measures_and_resumes_exactly(tmp_path):
     """`python -m bench soak`, shortened: it samples the trainer, finds metrics.jsonl whole at every
     sample, and the run resumed from its second-newest checkpoint logs the same losses."""
-    result = subprocess.run([sys.executable, "-m", "bench", "soak", "--steps", "60", "--every", "20", "--warmup", "20",
-                             "--interval", "0.2", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=600, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "soak",
+            "--steps",
+            "60",
+            "--every",
+            "20",
+            "--warmup",
+            "20",
+            "--interval",
+            "0.2",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     summary = json.loads((tmp_path / "out" / "soak.json").read_text())
     assert summary["steps"] == 60 and summary["samples"] > 5 and summary["metrics_partial_samples"] == 0

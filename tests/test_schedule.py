@@ -1,5 +1,6 @@
 """--schedule cosine|wsd|linear: each curve against its formula at every step, the loop logs it,
 and a bad value is one line."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,11 @@ def test_wsd_warms_up_holds_the_peak_then_decays_linearly_over_the_last_fraction
 
 def test_linear_decays_from_the_end_of_warmup():
     for step in range(STEPS + 5):
-        want = PEAK * step / WARMUP if step < WARMUP else PEAK * (
-            1 - (1 - FLOOR) * min(1, (step - WARMUP) / (STEPS - WARMUP)))
+        want = (
+            PEAK * step / WARMUP
+            if step < WARMUP
+            else PEAK * (1 - (1 - FLOOR) * min(1, (step - WARMUP) / (STEPS - WARMUP)))
+        )
         assert lr_schedule("linear", step, PEAK, WARMUP, STEPS, FLOOR, 0.2) == pytest.approx(want, rel=1e-12)
     assert lr_schedule("linear", 55, PEAK, WARMUP, STEPS, FLOOR) == pytest.approx(PEAK * 0.55)
 
@@ -45,17 +49,42 @@ def test_an_unknown_schedule_is_refused():
 
 @pytest.mark.parametrize("schedule", ["wsd", "linear"])
 def test_the_loop_runs_each_step_at_the_schedules_lr(tiny_data, tmp_path, capsys, schedule):
-    args = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "10", "--warmup-steps", "2",
-            "--lr", "1e-3", "--log-every", "1", "--eval-every", "10", "--eval-tokens", "128", "--schedule", schedule,
-            "--decay-fraction", "0.3"]
+    args = [
+        *TINY,
+        "--data",
+        str(tiny_data),
+        "--out",
+        str(tmp_path),
+        "--max-steps",
+        "10",
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "1e-3",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "10",
+        "--eval-tokens",
+        "128",
+        "--schedule",
+        schedule,
+        "--decay-fraction",
+        "0.3",
+    ]
     code, _, err = run_main(train.main, args, capsys)
     assert code == 0, err
     logged = [r["lr"] for r in read_metrics(tmp_path)]
     assert logged == [lr_schedule(schedule, s, 1e-3, 2, 10, 0.1, 0.3) for s in range(10)]  # step s+1 runs at lr(s)
 
 
-@pytest.mark.parametrize("flag, value, named", [("--schedule", "step", "'schedule'"),
-                                                ("--decay-fraction", "0", "'decay_fraction'"),
-                                                ("--decay-fraction", "1.5", "'decay_fraction'")])
+@pytest.mark.parametrize(
+    "flag, value, named",
+    [
+        ("--schedule", "step", "'schedule'"),
+        ("--decay-fraction", "0", "'decay_fraction'"),
+        ("--decay-fraction", "1.5", "'decay_fraction'"),
+    ],
+)
 def test_bad_schedule_flags_are_one_line(tmp_path, capsys, flag, value, named):
     train_refuses(capsys, [*TINY, "--out", str(tmp_path), flag, value], named, value)

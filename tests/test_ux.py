@@ -1,4 +1,5 @@
 """What a user touches around the loop: metrics, TensorBoard, sampling, plots, --help."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,9 @@ from fastpt.model import Transformer
 def run_dir(tiny_data, tmp_path_factory):
     """A 5-step tiny run with TensorBoard on: one checkpoint, train and eval metrics."""
     out = tmp_path_factory.mktemp("ux") / "run"
-    result = run_train("--data", str(tiny_data), "--out", str(out), *TINY, "--max-steps", "5",
-                       "--log-every", "1", "--tensorboard")
+    result = run_train(
+        "--data", str(tiny_data), "--out", str(out), *TINY, "--max-steps", "5", "--log-every", "1", "--tensorboard"
+    )
     assert result.returncode == 0, result.stderr
     return out
 
@@ -65,9 +67,25 @@ def test_tensorboard_event_file_is_written(run_dir):
 
 def test_sample_prints_text_from_the_run_folder(run_dir):
     assert (run_dir / "tokenizer.json").is_file()  # the run folder is self-contained
-    result = subprocess.run([sys.executable, "-m", "fastpt.sample", "--ckpt", str(run_dir), "--prompt", "def ",
-                             "--max-new-tokens", "40", "--device", "cpu"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fastpt.sample",
+            "--ckpt",
+            str(run_dir),
+            "--prompt",
+            "def ",
+            "--max-new-tokens",
+            "40",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def ") and len(result.stdout) > len("def \n")
     assert "ckpt_00000005.pt: step 5" in result.stderr
@@ -89,7 +107,9 @@ def test_a_checkpoint_of_an_older_release_samples(run_dir, tmp_path):
     ckpt["model_config"]["kernels"] = "triton"
     torch.save(ckpt, tmp_path / "ckpt_00000005.pt")
     model = Transformer.from_checkpoint(tmp_path / "ckpt_00000005.pt", torch.device("cpu"))[0]
-    assert sample.generate(model, [256], 3, temperature=0) == sample.generate(load_model(run_dir), [256], 3, temperature=0)
+    assert sample.generate(model, [256], 3, temperature=0) == sample.generate(
+        load_model(run_dir), [256], 3, temperature=0
+    )
 
 
 def test_generation_continues_past_the_context_window():
@@ -111,29 +131,35 @@ def test_compiled_generation_matches_eager(run_dir):
 
 def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsys):
     ckpt = checkpoint.latest(run_dir)
-    code, out, err = run_main(sample.main, ["--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8",
-                                            "--device", "cpu", "--num-samples", "3"], capsys)
+    code, out, err = run_main(
+        sample.main,
+        ["--ckpt", str(ckpt), "--prompt", "def ", "--max-new-tokens", "8", "--device", "cpu", "--num-samples", "3"],
+        capsys,
+    )
     assert code == 0, err
     samples = out.split("-" * 40 + "\n")
     assert len(samples) == 3 and all(s.startswith("def ") for s in samples)
     assert len(set(samples)) > 1  # drawn one after another from the seeded generator, not repeated
 
 
-@pytest.mark.parametrize("args, named", [
-    (["--temperature", "nan"], "--temperature"),
-    (["--temperature", "-1"], "--temperature"),
-    (["--top-k", "-1"], "--top-k"),
-    (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--num-samples", "0"], "--num-samples"),
-    (["--seed", "-1"], "--seed"),
-    (["--seed", "x"], "--seed"),
-    (["--tokenizer", "missing.json"], "missing.json"),
-    (["--tokenizer", "RUN/metrics.jsonl"], "metrics.jsonl"),
-    (["--ckpt", "no/such/run"], "no/such/run"),
-    (["--ckpt", "EMPTY"], "no checkpoint in"),
-    (["--ckpt", "RUN/config.toml"], "config.toml"),
-    (["--tokenizer", "BIG"], "has 1001 tokens, more than the model's vocab"),
-])
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--temperature", "nan"], "--temperature"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-k", "-1"], "--top-k"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--num-samples", "0"], "--num-samples"),
+        (["--seed", "-1"], "--seed"),
+        (["--seed", "x"], "--seed"),
+        (["--tokenizer", "missing.json"], "missing.json"),
+        (["--tokenizer", "RUN/metrics.jsonl"], "metrics.jsonl"),
+        (["--ckpt", "no/such/run"], "no/such/run"),
+        (["--ckpt", "EMPTY"], "no checkpoint in"),
+        (["--ckpt", "RUN/config.toml"], "config.toml"),
+        (["--tokenizer", "BIG"], "has 1001 tokens, more than the model's vocab"),
+    ],
+)
 def test_sample_mistakes_are_one_line(run_dir, tmp_path, capsys, args, named):
     big = tmp_path / "big.json"  # a tokenizer of another model: more ids than this one has
     big.write_text(json.dumps({"type": "char", "chars": "".join(chr(0x4E00 + i) for i in range(1000)), "eot": True}))
@@ -188,12 +214,28 @@ def test_train_help_documents_every_config_field(capsys):
     assert " ".join(text.split()).count("the preset's by default") == len(names) - len(defaults)
 
 
-@pytest.mark.parametrize("module, options", [
-    (prepare, ["--out", "--tokenizer", "--vocab-size", "inputs"]),
-    (sample, ["--ckpt", "--prompt", "--num-samples", "--max-new-tokens", "--temperature", "--top-k", "--tokenizer",
-              "--device", "--compile", "--seed"]),
-    (plot, ["RUN_DIR"]),
-])
+@pytest.mark.parametrize(
+    "module, options",
+    [
+        (prepare, ["--out", "--tokenizer", "--vocab-size", "inputs"]),
+        (
+            sample,
+            [
+                "--ckpt",
+                "--prompt",
+                "--num-samples",
+                "--max-new-tokens",
+                "--temperature",
+                "--top-k",
+                "--tokenizer",
+                "--device",
+                "--compile",
+                "--seed",
+            ],
+        ),
+        (plot, ["RUN_DIR"]),
+    ],
+)
 def test_every_command_help_lists_its_options(module, options, capsys):
     text = help_text(module.main, capsys)
     for option in options:
@@ -213,6 +255,11 @@ def test_importing_torchao_for_float8_prints_nothing():
     """torchao logs a line per prebuilt extension this torch cannot load, and torch one per Enum it
     registers; fastpt's float8 import drops exactly those."""
     pytest.importorskip("torchao")
-    result = subprocess.run([sys.executable, "-c", "from fastpt import float8; float8.require_torchao()"],
-                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", "from fastpt import float8; float8.require_torchao()"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 0 and result.stderr == "", result.stderr

@@ -1,4 +1,5 @@
 """Launch heuristics shared by the kernels."""
+
 import functools
 
 import torch

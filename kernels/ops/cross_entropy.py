@@ -10,6 +10,7 @@ along: it adds to the row's loss, and its gradient 2 * coef * lse * softmax to t
 Linear + cross-entropy runs both passes in one launch (its logits live for one chunk only); the
 standalone op runs the loss pass in the forward and the gradient pass in the backward.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -23,9 +24,25 @@ THREAD_BYTES = 64
 
 @triton.jit
 def _cross_entropy_kernel(
-    logits_ptr, logits_stride, grad_ptr, grad_stride, target_ptr, lse_ptr, loss_ptr, z_ptr, scale_ptr,
-    scale_stride, n_rows, n_cols, row_width, ignore_index, z_loss,
-    WITH_LOSS: tl.constexpr, WITH_GRAD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    logits_stride,
+    grad_ptr,
+    grad_stride,
+    target_ptr,
+    lse_ptr,
+    loss_ptr,
+    z_ptr,
+    scale_ptr,
+    scale_stride,
+    n_rows,
+    n_cols,
+    row_width,
+    ignore_index,
+    z_loss,
+    WITH_LOSS: tl.constexpr,
+    WITH_GRAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,); int64: rows * stride can pass 2**31
     row_mask = rows < n_rows
@@ -49,8 +66,9 @@ def _cross_entropy_kernel(
         # Rows past the end (all masked) get lse 0, not -inf + log(0): nans even where nothing is stored.
         lse = tl.where(row_mask, m + tl.log(tl.where(row_mask, d, 1.0)), 0.0)
         # Targets outside [0, V) other than ignore_index are not checked, and never read either.
-        x_y = tl.load(logits_ptr + rows * logits_stride + y, mask=valid & (y >= 0) & (y < n_cols),
-                      other=0.0).to(tl.float32)
+        x_y = tl.load(logits_ptr + rows * logits_stride + y, mask=valid & (y >= 0) & (y < n_cols), other=0.0).to(
+            tl.float32
+        )
         z = z_loss * lse * lse
         # Ignored rows still write: a zero loss here, a zero gradient below.
         tl.store(loss_ptr + rows, tl.where(valid, lse - x_y + z, 0.0), mask=row_mask)
@@ -88,10 +106,26 @@ def _launch(logits, target, ignore_index, z_loss, lse, loss, z, grad, scale, row
     with_loss, with_grad = loss is not None, grad is not None
     scale = scale.expand(n_rows) if with_grad else lse  # stride 0 broadcasts a 0-dim scale
     _cross_entropy_kernel[(triton.cdiv(n_rows, rows),)](
-        logits, logits.stride(0), grad if with_grad else logits, grad.stride(0) if with_grad else 0,
-        target, lse, loss if with_loss else lse, z if with_loss else lse, scale, scale.stride(0),
-        n_rows, n_cols, row_width or n_cols, ignore_index, float(z_loss),
-        WITH_LOSS=with_loss, WITH_GRAD=with_grad, ROWS=rows, BLOCK=block, num_warps=warps,
+        logits,
+        logits.stride(0),
+        grad if with_grad else logits,
+        grad.stride(0) if with_grad else 0,
+        target,
+        lse,
+        loss if with_loss else lse,
+        z if with_loss else lse,
+        scale,
+        scale.stride(0),
+        n_rows,
+        n_cols,
+        row_width or n_cols,
+        ignore_index,
+        float(z_loss),
+        WITH_LOSS=with_loss,
+        WITH_GRAD=with_grad,
+        ROWS=rows,
+        BLOCK=block,
+        num_warps=warps,
     )
 
 
@@ -120,8 +154,13 @@ def cross_entropy_forward(
 
 
 def cross_entropy_backward(
-    logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad_scale: torch.Tensor, ignore_index: int,
-    z_loss: float, grad: torch.Tensor,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_scale: torch.Tensor,
+    ignore_index: int,
+    z_loss: float,
+    grad: torch.Tensor,
 ) -> None:
     """grad[row] = grad_scale[row] * dloss_row/dlogits from the forward's log-sum-exp: one pass over
     logits (N, V) that writes grad (N, V), which may be `logits` itself."""

@@ -10,6 +10,7 @@ many rows for the matmul; the kernel reads the padding, treats it as -inf and wr
 gradient): with an odd vocabulary such as GPT-2's 50257 the rows would otherwise be misaligned
 and the masks ragged, and the kernel's loads and stores 16-bit scalars, not 128-bit.
 """
+
 import functools
 
 import torch
@@ -94,12 +95,14 @@ def linear_cross_entropy_forward(
         x = input[rows].to(compute_dtype)
         logits = (x @ w_padded.T)[:, :n_cols]  # (chunk, V), row stride V rounded up
         if grad_scale is None:
-            loss[rows], z[rows], _ = cross_entropy_forward(logits, target[rows], ignore_index, z_loss,
-                                                           row_width=w_padded.shape[0])
+            loss[rows], z[rows], _ = cross_entropy_forward(
+                logits, target[rows], ignore_index, z_loss, row_width=w_padded.shape[0]
+            )
             continue
         # The gradient overwrites the logits in place.
-        loss[rows], z[rows], _ = cross_entropy_forward(logits, target[rows], ignore_index, z_loss, logits,
-                                                       grad_scale[rows], w_padded.shape[0])
+        loss[rows], z[rows], _ = cross_entropy_forward(
+            logits, target[rows], ignore_index, z_loss, logits, grad_scale[rows], w_padded.shape[0]
+        )
         dinput[rows] = logits @ w
         _accumulate_mm(dweight, logits.T, x)
     return loss, z, dinput, dweight

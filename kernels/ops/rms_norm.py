@@ -5,6 +5,7 @@ program would leave most lanes of a warp idle. The backward runs a fixed number 
 each reducing its rows' weight gradient into one fp32 partial sum (a column vector, summed over
 each tile's rows as it goes); torch sums the partials in fp32.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -20,8 +21,17 @@ FWD_TILE, BWD_TILE, BWD_VALUES_PER_THREAD = 4096, 1024, 8
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, x_stride, y_ptr, y_stride, w_ptr, rstd_ptr, n_rows, n_cols, eps,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    x_ptr,
+    x_stride,
+    y_ptr,
+    y_stride,
+    w_ptr,
+    rstd_ptr,
+    n_rows,
+    n_cols,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # int64: rows * stride can pass 2**31
     cols = tl.arange(0, BLOCK_COLS)
@@ -38,9 +48,20 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    dy_ptr, dy_stride, x_ptr, x_stride, w_ptr, rstd_ptr, dx_ptr, dx_stride, dw_partial_ptr,
-    n_rows, n_cols, rows_per_program,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    dy_ptr,
+    dy_stride,
+    x_ptr,
+    x_stride,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dx_stride,
+    dw_partial_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_COLS)
@@ -89,8 +110,18 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block_rows, block_cols = _tile(n_cols, FWD_TILE)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
-        x2, x2.stride(0), y, y.stride(0), weight.contiguous(), rstd, n_rows, n_cols, eps,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps(block_rows * block_cols),
+        x2,
+        x2.stride(0),
+        y,
+        y.stride(0),
+        weight.contiguous(),
+        rstd,
+        n_rows,
+        n_cols,
+        eps,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=num_warps(block_rows * block_cols),
     )
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
@@ -110,9 +141,20 @@ def rms_norm_backward(
     dx = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     dw_partial = torch.empty((grid, n_cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(grid,)](
-        dy2, dy2.stride(0), x2, x2.stride(0), weight.contiguous(), rstd.reshape(-1), dx, dx.stride(0), dw_partial,
-        n_rows, n_cols, rows_per_program,
-        BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+        dy2,
+        dy2.stride(0),
+        x2,
+        x2.stride(0),
+        weight.contiguous(),
+        rstd.reshape(-1),
+        dx,
+        dx.stride(0),
+        dw_partial,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
         num_warps=max(4, min(16, block_rows * block_cols // (32 * BWD_VALUES_PER_THREAD))),
     )
     return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
