@@ -28,6 +28,22 @@ class GPTConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
 
+    @classmethod
+    def like(cls, cfg) -> GPTConfig:
+        """The shape of a fastpt ModelConfig (read by field name: the peer does not import fastpt)."""
+        return cls(
+            cfg.vocab_size,
+            cfg.dim,
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.kv_heads,
+            cfg.ffn_dim,
+            cfg.max_seq_len,
+            cfg.norm_eps,
+            cfg.rope_theta,
+            cfg.tie_embeddings,
+        )
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):

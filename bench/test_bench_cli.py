@@ -150,20 +150,7 @@ def test_the_baseline_computes_the_same_model_as_fastpt(tie):
     )
     torch.manual_seed(0)
     ours = Transformer(cfg, "torch")
-    theirs = baseline.GPT(
-        baseline.GPTConfig(
-            cfg.vocab_size,
-            cfg.dim,
-            cfg.n_layers,
-            cfg.n_heads,
-            cfg.kv_heads,
-            cfg.ffn_dim,
-            cfg.max_seq_len,
-            cfg.norm_eps,
-            cfg.rope_theta,
-            tie,
-        )
-    )
+    theirs = baseline.GPT(baseline.GPTConfig.like(cfg))
     theirs.load_llama_state(ours.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, 33))
     _, loss, _ = ours(ids[:, :-1], labels=ids[:, 1:])

@@ -164,20 +164,7 @@ def build(setup: Setup, mode: Mode) -> Run:
     fastpt_model = Transformer(cfg, backend, activation_checkpointing=mode.activation_checkpointing)
     betas = (TRAIN.beta1, TRAIN.beta2)
     if mode.impl == "baseline":
-        model = Baseline(
-            baseline.GPTConfig(
-                cfg.vocab_size,
-                cfg.dim,
-                cfg.n_layers,
-                cfg.n_heads,
-                cfg.kv_heads,
-                cfg.ffn_dim,
-                cfg.max_seq_len,
-                cfg.norm_eps,
-                cfg.rope_theta,
-                cfg.tie_embeddings,
-            )
-        )
+        model = Baseline(baseline.GPTConfig.like(cfg))
         model.load_llama_state(fastpt_model.state_dict())
         model.to(device)
         optimizer = model.configure_optimizers(TRAIN.weight_decay, setup.lr, betas)
