@@ -4,7 +4,7 @@ Every op is a `torch.library.custom_op` with a fake (shape-only) implementation,
 the autograd path register their backward, so torch.compile(fullgraph=True) keeps each in the
 graph as one opaque call; all of them pass torch.library.opcheck. None is twice differentiable:
 a backward run with create_graph=True raises. The Triton modules are imported inside the op
-bodies, so `import kernels` does not import triton. TRITON_INTERPRET must be set before triton
+bodies, so `import fastpt.kernels` does not import triton. TRITON_INTERPRET must be set before triton
 is first imported: triton.jit reads it when a function is decorated, triton.language's own included.
 """
 
@@ -13,13 +13,18 @@ from torch import Tensor
 
 from .reference import reduce_rows
 
+# The ops' namespace: fastpt's. A second copy of this folder imported under another name (a checkout
+# on sys.path, where Hugging Face's `kernels` package is looked for by that top-level name) registers
+# ops of its own instead of replacing these.
+NAMESPACE = "fastpt" if __name__ == "fastpt.kernels.functional" else __name__.split(".")[0]
+
 
 def _no_double_backward(op: str) -> None:
     """Autograd runs a backward with grad mode on only for create_graph=True; these backward
     formulas are not differentiable, so refuse rather than hand back a gradient with no graph."""
     if torch.is_grad_enabled():
         raise RuntimeError(
-            f"fastpt::{op}: double backward (create_graph=True) is not supported; "
+            f"{NAMESPACE}::{op}: double backward (create_graph=True) is not supported; "
             "use backend='torch' for higher-order gradients"
         )
 
@@ -27,7 +32,7 @@ def _no_double_backward(op: str) -> None:
 # ----------------------------------------------------------------------------- RMSNorm
 
 
-@torch.library.custom_op("fastpt::rms_norm", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm", mutates_args=())
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     from .ops import rms_norm as ops
 
@@ -41,7 +46,7 @@ def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("fastpt::rms_norm_backward", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     from .ops import rms_norm as ops
 
@@ -102,7 +107,7 @@ def _rows_fake(rows: Tensor) -> Tensor:
 # from reduce_rows' own autograd), into a new buffer or over the saved logits (cross_entropy_backward_).
 
 
-@torch.library.custom_op("fastpt::cross_entropy", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy", mutates_args=())
 def _cross_entropy(
     logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, inplace_backward: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -117,7 +122,7 @@ def _(logits, target, ignore_index, z_loss, inplace_backward):
     return _rows_fake(logits), _rows_fake(logits), _rows_fake(logits)
 
 
-@torch.library.custom_op("fastpt::cross_entropy_backward", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward(
     logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
 ) -> Tensor:
@@ -134,7 +139,7 @@ def _(logits, target, lse, grad_rows, ignore_index, z_loss):
     return logits.new_empty(logits.shape)
 
 
-@torch.library.custom_op("fastpt::cross_entropy_backward_", mutates_args=("logits",))
+@torch.library.custom_op(f"{NAMESPACE}::cross_entropy_backward_", mutates_args=("logits",))
 def _cross_entropy_backward_(
     logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
 ) -> None:
@@ -203,7 +208,7 @@ def cross_entropy(
 # ------------------------------------------------------------------- linear + cross-entropy
 
 
-@torch.library.custom_op("fastpt::linear_cross_entropy", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::linear_cross_entropy", mutates_args=())
 def _linear_cross_entropy(
     input: Tensor,
     weight: Tensor,
@@ -248,7 +253,7 @@ def _(input, weight, target, ignore_index, reduction, z_loss, compute_dtype, wit
     )
 
 
-@torch.library.custom_op("fastpt::linear_cross_entropy_backward", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::linear_cross_entropy_backward", mutates_args=())
 def _linear_cross_entropy_backward(
     input: Tensor,
     weight: Tensor,
