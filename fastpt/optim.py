@@ -45,6 +45,13 @@ def lr_schedule(
     return peak_lr * (1 - (1 - min_ratio) * progress)
 
 
+def run_lr(cfg: TrainConfig, step: int) -> float:
+    """The LR of the run's schedule (--schedule, --lr, --warmup-steps, ...) at `step`."""
+    return lr_schedule(
+        cfg.schedule, step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.decay_fraction
+    )
+
+
 def is_decayed(name: str, p: torch.Tensor, rule: str) -> bool:
     """ndim: decay every tensor with >= 2 dims. strict: also spare biases, norms and embeddings."""
     if rule == "ndim":

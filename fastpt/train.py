@@ -55,7 +55,7 @@ from fastpt.files import lock
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import Dashboard, MetricsLogger, Pace, device_name, peak_flops, rewind
 from fastpt.model import Transformer
-from fastpt.optim import lr_schedule, optimizers_for, step_all
+from fastpt.optim import optimizers_for, run_lr, step_all
 from fastpt.profiling import StepProbe
 from fastpt.tokenizer import copy_for_run, same_tokenizer
 
@@ -435,6 +435,20 @@ def nonfinite_error(bad_step: int, run_dir: Path) -> str:
     )
 
 
+def too_many_skips(state: TrainState, max_skips: int, log) -> bool:
+    """--on-nonfinite skip skipped this step's update: say so; True (an error line said why) once
+    max_skips updates in a row were skipped."""
+    log(f"step {state.step}: non-finite loss or gradient norm, update skipped ({state.consecutive_skips} in a row)")
+    if state.consecutive_skips < max_skips:
+        return False
+    log(
+        f"fastpt: error: stopping at step {state.step}: {state.consecutive_skips} consecutive non-finite steps "
+        "(max_skips)",
+        file=sys.stderr,
+    )
+    return True
+
+
 def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -472,9 +486,7 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
         net.model.train()
         while state.step < cfg.max_steps:
-            lr = lr_schedule(
-                cfg.schedule, state.step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.decay_fraction
-            )
+            lr = run_lr(cfg, state.step)
             set_lr(net.optimizers, lr)
             with probe.step(state.step + 1):  # --profile, recompiles
                 result = train_step(
@@ -491,24 +503,13 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
             state.count(result, dash.tokens_per_step)  # from here on, state.step is this step's number
             if result.applied:
                 first_bad_step = torch.where(~result.finite & (first_bad_step < 0), state.step, first_bad_step)
-            else:
-                log(
-                    f"step {state.step}: non-finite loss or gradient norm, update skipped "
-                    f"({state.consecutive_skips} in a row)"
-                )
-                if state.consecutive_skips >= cfg.max_skips:
-                    log(
-                        f"fastpt: error: stopping at step {state.step}: {state.consecutive_skips} consecutive "
-                        "non-finite steps (max_skips)",
-                        file=sys.stderr,
-                    )
-                    return 1
+            elif too_many_skips(state, cfg.max_skips, log):
+                return 1
 
             is_last = state.step == cfg.max_steps
-            preempted = (
-                distributed.any_rank(preemption.requested, d)
-                if (not d.enabled or state.step % cfg.log_every == 0)
-                else False
+            # Under torchrun the ranks agree at log steps only: the vote is a collective.
+            preempted = (not d.enabled or state.step % cfg.log_every == 0) and distributed.any_rank(
+                preemption.requested, d
             )
             log_now, eval_now = state.step % cfg.log_every == 0 or is_last, state.step % cfg.eval_every == 0 or is_last
             ckpt_now = state.step % cfg.ckpt_every == 0 or is_last or preempted
