@@ -264,3 +264,18 @@ def test_activation_checkpointing_recomputes_the_same_document_attention():
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_document_attention_trains_alike_on_the_triton_kernels(tiny_data, tmp_path):
+    """--kernels triton (RMSNorm and the fused loss through Triton's interpreter on this CPU) beside
+    the document mask: the same losses as the PyTorch reference kernels."""
+    from conftest import run_train
+
+    common = (*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "3")
+    common += ("--eval-tokens", "128", "--attention", "document")
+    triton = run_train(*common, "--out", str(tmp_path / "triton"), "--kernels", "triton", env={"TRITON_INTERPRET": "1"})
+    assert triton.returncode == 0, triton.stderr
+    reference = run_train(*common, "--out", str(tmp_path / "torch"), "--kernels", "torch")
+    assert reference.returncode == 0, reference.stderr
+    losses = [[r["loss"] for r in read_metrics(tmp_path / kind)] for kind in ("triton", "torch")]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-4)
