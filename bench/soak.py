@@ -127,7 +127,7 @@ def check_resume(data: Path, run: Path, every: int, steps: int, log: Path) -> di
             cmd, stdout=out, stderr=subprocess.STDOUT, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}
         )
     first, again = losses(run), losses(copy)
-    redone = range(checkpoint.load(start)["step"] + 1, steps + 1)
+    redone = range(checkpoint.step_of(checkpoint.load(start)) + 1, steps + 1)
     return {
         "resumed_from": start.name,
         "steps_redone": len(redone),

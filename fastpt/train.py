@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import random
 import signal
 import sys
@@ -162,12 +163,14 @@ class TrainState:
 
 
 class Preemption:
-    """While entered, SIGTERM / SIGINT ask the loop to checkpoint after the current step and exit
-    cleanly; a second Ctrl-C does not wait for a step that takes too long (the last checkpoint
-    stands). On exit the handlers found on entry are back, so an in-process caller keeps its own."""
+    """While entered and armed (the loop has started), SIGTERM / SIGINT ask the loop to checkpoint
+    after the current step and exit cleanly; a second Ctrl-C does not wait for a step that takes too
+    long (the last checkpoint stands). Before the loop, with nothing to save, a signal does what it
+    did before. On exit the handlers found on entry are back, so an in-process caller keeps its own."""
 
     def __init__(self):
         self.requested = False
+        self.armed = False
         self.previous: dict[int, object] = {}
 
     def __enter__(self) -> Preemption:
@@ -180,6 +183,14 @@ class Preemption:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
     def _handle(self, signum, frame):
+        if not self.armed:
+            previous = self.previous[signum]
+            if callable(previous):  # Python's own SIGINT handler: KeyboardInterrupt
+                return previous(signum, frame)
+            if previous != signal.SIG_IGN:  # the default: die of the signal, as without us
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
@@ -458,8 +469,9 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
 # ---- the loop
 
 
-def train(cfg: TrainConfig, d: distributed.Dist) -> int:
-    """Run the training loop; returns the process exit code."""
+def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
+    """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop); returns the
+    process exit code."""
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -481,10 +493,10 @@ def train(cfg: TrainConfig, d: distributed.Dist) -> int:
         probe = cleanup.enter_context(
             closing(StepProbe(profile_steps(cfg), ckpt.run_dir / "profile", device, d.rank, cuda_graphs=cuda_graphs))
         )
-        preemption = cleanup.enter_context(Preemption())
         pace, exit_code = Pace(), 0
         first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
         net.model.train()
+        preemption.armed = True
         while state.step < cfg.max_steps:
             lr = run_lr(cfg, state.step)
             set_lr(net.optimizers, lr)
@@ -548,8 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     check_runtime(cfg)
     d = distributed.setup(cfg.device)
     try:
-        with distributed.report_lost_ranks(d):
-            return train(cfg, d)
+        # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank
+        # must not kill it before it has said which rank died.
+        with Preemption() as preemption, distributed.report_lost_ranks(d):
+            return train(cfg, d, preemption)
     finally:
         distributed.teardown(d)
 
