@@ -153,9 +153,9 @@ def test_greedy_sampling_from_the_export_equals_the_checkpoint(run_dir, exported
     assert greedy(exported) == greedy(run_dir)
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_a_transformers_llama_imports_with_its_logits_and_exports_back(tmp_path, tie):
-    config = LlamaConfig(
+def small_llama(tie: bool) -> LlamaConfig:
+    """SMALL as a transformers Llama, with 2 KV heads (GQA)."""
+    return LlamaConfig(
         vocab_size=300,
         hidden_size=64,
         intermediate_size=96,
@@ -167,6 +167,11 @@ def test_a_transformers_llama_imports_with_its_logits_and_exports_back(tmp_path,
         rope_theta=5000.0,
         tie_word_embeddings=tie,
     )
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_transformers_llama_imports_with_its_logits_and_exports_back(tmp_path, tie):
+    config = small_llama(tie)
     torch.manual_seed(0)
     theirs = LlamaForCausalLM(config).eval()
     randomize_norms(theirs)
@@ -189,18 +194,7 @@ def test_init_from_starts_training_from_the_hf_weights_and_exports_them_back(tin
     """--init-from: the first logged loss is HF's own loss on the first batch (warmup makes step 1's
     learning rate 0, so its checkpoint still holds HF's weights: exported, they are HF's tensors);
     then training goes on, and a shape key that contradicts the HF model is refused."""
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=5000.0,
-        tie_word_embeddings=False,
-    )
+    config = small_llama(tie=False)
     torch.manual_seed(0)
     theirs = LlamaForCausalLM(config).eval()
     theirs.save_pretrained(tmp_path / "hf")
