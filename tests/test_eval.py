@@ -91,18 +91,11 @@ def test_mc_eval_picks_the_real_continuations_of_learned_text(tmp_path, capsys):
     rows = mc_rows()
     mc.write_text("\n".join(map(json.dumps, rows)) + "\n")
     run = tmp_path / "run"
+    common = [*TINY, "--seq-len", "64", "--micro-batch", "8", "--data", str(tmp_path / "data"), "--out", str(run)]
     code, out, err = run_main(
         train.main,
         [
-            *TINY,
-            "--seq-len",
-            "64",
-            "--micro-batch",
-            "8",
-            "--data",
-            str(tmp_path / "data"),
-            "--out",
-            str(run),
+            *common,
             "--eval-mc",
             str(mc),
             "--max-steps",
@@ -128,15 +121,7 @@ def test_mc_eval_picks_the_real_continuations_of_learned_text(tmp_path, capsys):
     code, out, err = run_main(
         train.main,
         [
-            *TINY,
-            "--seq-len",
-            "64",
-            "--micro-batch",
-            "8",
-            "--data",
-            str(tmp_path / "data"),
-            "--out",
-            str(run),
+            *common,
             "--resume",
             "--eval-mc",
             str(wrong),
