@@ -132,8 +132,7 @@ def parallelize(
     """
     sharded = d.enabled and parallel == "fsdp"
     if compile_mode:
-        for module in model.layers if sharded else [model]:
-            module.compile(mode=compile_mode, dynamic=False)
+        compile_in_place(model, compile_mode, per_block=sharded)
     if not d.enabled:
         return model
     if parallel == "fsdp":
@@ -148,6 +147,12 @@ def parallelize(
         else {"broadcast_buffers": False}
     )
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
+
+
+def compile_in_place(model: nn.Module, mode: str, per_block: bool) -> None:
+    """torch.compile the whole model, or each of its TransformerBlocks (per_block: FSDP's units)."""
+    for module in model.layers if per_block else [model]:
+        module.compile(mode=mode, dynamic=False)
 
 
 def shard(model: nn.Module, dtype: torch.dtype) -> None:

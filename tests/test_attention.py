@@ -279,3 +279,59 @@ def test_document_attention_trains_alike_on_the_triton_kernels(tiny_data, tmp_pa
     assert reference.returncode == 0, reference.stderr
     losses = [[r["loss"] for r in read_metrics(tmp_path / kind)] for kind in ("triton", "torch")]
     assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
+def layouts(n: int) -> list[torch.Tensor]:
+    """n batches (2, 64), each with other documents in other places (batch s: s + 1 and s + 2 of them)."""
+    rows = [(*[7] * s, 64 - 7 * s) for s in range(n)], [(*[5 + s] * (s + 1), 64 - (5 + s) * (s + 1)) for s in range(n)]
+    return [torch.stack((tokens(*a, seed=s), tokens(*b, seed=s + 9))) for s, (a, b) in enumerate(zip(*rows))]
+
+
+def test_a_block_mask_built_outside_a_compiled_graph_allocates_no_dense_mask():
+    """An eager model or blocks compiled one by one (FSDP) build the BlockMask outside a compiled
+    graph: it is built by compiled code all the same, so no (B, T, T) tensor is ever allocated."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T = 2, 1024
+    idx = torch.randint(8, CFG.vocab_size, (B, T))
+    idx[:, ::100] = DOC
+    attention.document_mask(idx, DOC, flex=True)  # compiles the builder, once
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        mask = attention.document_mask(idx, DOC, flex=True)
+    largest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < largest < B * T * T // 16, largest  # the block counts and indices, nothing of T x T
+    dense = attention.document_mask(idx, DOC, flex=False)[:, 0]  # (B, T, T); the blocks any of it allows:
+    assert torch.equal(mask.to_dense()[:, 0].bool(), dense.unflatten(1, (8, 128)).unflatten(3, (8, 128)).any((2, 4)))
+
+
+COMPILE_CONFIGS = {  # how the trainer compiles (fastpt.distributed.compile_in_place)
+    "compiled model": ("default", False),
+    "per-block compiled (FSDP)": ("default", True),
+    "reduce-overhead (CUDA graphs)": ("reduce-overhead", False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", COMPILE_CONFIGS)
+@torch.no_grad()
+def test_block_masks_compile_once_for_every_document_layout(config, monkeypatch):
+    """Batches with their documents in other places, through the BlockMask path (forward only on
+    this CPU): not one recompile (of the mask's builder, the blocks or the model), and the dense
+    mask's logits."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fastpt.distributed import compile_in_place
+
+    mode, per_block = COMPILE_CONFIGS[config]
+    doc_model, _ = models()
+    dense = [doc_model(b)[0] for b in layouts(4)]
+    monkeypatch.setattr(model_module, "document_mask", functools.partial(attention.document_mask, flex=True))
+    compile_in_place(doc_model, mode, per_block)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        flex = [doc_model(b)[0] for b in layouts(4)]
+    assert counters["stats"]["unique_graphs"] == (2 if per_block else 1)  # the builder and the blocks; the model
+    for got, want in zip(flex, dense):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
