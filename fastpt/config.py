@@ -296,7 +296,15 @@ class TrainConfig:
     eval_every: int = setting(500, "steps between validation evals", domain=POSITIVE)
     eval_tokens: int = setting(262144, "validation tokens per eval", domain=POSITIVE)
     eval_mc: str = setting(
-        "", "JSONL file of multiple-choice rows (ctx, endings, label) scored at every eval as mc_acc; '' = off"
+        "",
+        "multiple-choice tasks scored at every eval: a JSONL file of rows (ctx, endings, label) as "
+        "mc_acc, or NAME=FILE,NAME=FILE as mc_acc/NAME and their mean mc_acc (in TOML also a table); '' = off",
+    )
+    eval_mc_norm: str = setting(
+        "byte",
+        "an MC ending's log-likelihood per: byte (lm-eval's acc_bytes), char (acc_norm), token "
+        "(nanochat's CORE), none (acc)",
+        choices=("byte", "char", "token", "none"),
     )
     ckpt_every: int = setting(1000, "steps between checkpoints", domain=POSITIVE)
     keep_checkpoints: int = setting(3, "newest checkpoints kept on disk", domain=POSITIVE)
@@ -362,8 +370,9 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
-    if isinstance(raw.get("data"), dict):  # a mixture as a table: [data] web = 0.8, code = 0.2
-        raw["data"] = ",".join(f"{name}:{weight}" for name, weight in raw["data"].items())
+    for key, sep in (("data", ":"), ("eval_mc", "=")):  # a table: [data] web = 0.8, code = 0.2
+        if isinstance(raw.get(key), dict):
+            raw[key] = ",".join(f"{name}{sep}{value}" for name, value in raw[key].items())
     return {k: coerce(k, v, str(path)) for k, v in raw.items()}
 
 

@@ -57,6 +57,7 @@ def find_shards(folder: str | Path, split: str, data_format: str = "llmc") -> li
 class Batch:
     x: torch.Tensor  # (B, T) inputs
     y: torch.Tensor  # (B, T) targets, x shifted by one
+    source: torch.Tensor | None = None  # (B,) validation: the mixture's source of each row (0 for one source)
 
 
 class TrainLoader:
@@ -176,17 +177,20 @@ def eval_batches(
     windows: WindowSet, micro_batch: int, eval_tokens: int, device: torch.device, rank: int = 0, world_size: int = 1
 ):
     """The first eval_tokens of the validation windows, in order: the same every evaluation and
-    for any world size. Ranks take every world_size-th window; FSDP ranks must run the same
-    forwards, so a rank that runs out repeats window 0 with its targets ignored (-100)."""
+    for any world size, each row with its source (a mixture's part). Ranks take every
+    world_size-th window; FSDP ranks must run the same forwards, so a rank that runs out repeats
+    window 0 with its targets ignored (-100)."""
     n = min(len(windows), max(1, eval_tokens // windows.seq_len))
     mine = np.arange(rank, n, world_size)
     padding = -(-n // world_size) - len(mine)
     indices = np.concatenate((mine, np.zeros(padding, dtype=mine.dtype)))
     for i in range(0, len(indices), micro_batch):
-        w = windows.gather(indices[i : i + micro_batch]).to(device)  # (B, T+1)
+        chunk = indices[i : i + micro_batch]
+        w = windows.gather(chunk).to(device)  # (B, T+1)
         x, y = w[:, :-1], w[:, 1:].clone()
         y[max(0, len(mine) - i) :] = -100  # the padding rows count for nothing
-        yield Batch(x, y)
+        source = windows.sources(chunk) if isinstance(windows, Mixture) else np.zeros_like(chunk)
+        yield Batch(x, y, torch.from_numpy(source).to(device))
 
 
 def data_vocab(folder: Path, shards: list[Path], headerless: bool) -> int:
@@ -292,6 +296,13 @@ def data_sources(spec: str) -> list[Source]:
             raise DataError(f"'data': {name} is not a folder of prepared data (weight {weight})")
         sources.append(Source(Path(name), value))
     return sources
+
+
+def source_names(sources: list[Source]) -> list[str]:
+    """What metrics call each source (val_loss/NAME): its folder's name, or the folder as given
+    when two sources share a name."""
+    names = [s.folder.name or str(s.folder) for s in sources]
+    return names if len(set(names)) == len(names) else [str(s.folder) for s in sources]
 
 
 def common_vocab(sources: list[Source], data_format: str) -> int:

@@ -33,12 +33,13 @@ class LossOutput(NamedTuple):
     it as in the seed loop; fastpt's own code reads the fields by name."""
 
     logits: None  # never materialized: the fused loss goes from the last hidden state to the loss
-    loss: torch.Tensor  # what backward takes: the mean cross-entropy plus the z-loss term
+    loss: torch.Tensor  # what backward takes: the mean cross-entropy plus the z-loss term (per target: (B*T,))
     z_loss: torch.Tensor  # the z-loss term alone, detached, for logging (0 when z_loss is 0)
 
     @property
     def cross_entropy(self) -> torch.Tensor:
-        """The mean cross-entropy alone (detached): the number comparable across runs."""
+        """The cross-entropy alone (detached): the number comparable across runs. With
+        reduction="none", each target's (0 where the target is -100)."""
         return self.loss.detach() - self.z_loss
 
 
@@ -199,10 +200,15 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(
-        self, idx: torch.Tensor, labels: torch.Tensor | None = None, kv_cache: KVCache | None = None
+        self,
+        idx: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        reduction: str = "mean",
     ) -> LogitsOutput | LossOutput:
         """idx (B, T) -> LogitsOutput (logits (B, T, V), and the extended cache when given kv_cache);
-        with labels (B, T), LossOutput (the loss and its z-loss part) instead."""
+        with labels (B, T), LossOutput (the loss and its z-loss part) instead: their mean over the
+        counted targets, or with reduction="none" each target's, flattened (B*T,) (what evals sum)."""
         B, T = idx.shape
         past = kv_cache[0][0].shape[2] if kv_cache else 0
         if past + T > self.cfg.max_seq_len:
@@ -224,6 +230,7 @@ class Transformer(nn.Module):
                 h.flatten(0, 1),
                 self.output_weight,
                 labels.flatten(),
+                reduction=reduction,
                 z_loss=self.z_loss,
                 return_z_loss=self.z_loss > 0,
                 backend=self.backend,

@@ -306,7 +306,7 @@ def build_data(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> D
     seq_len = cfg.seq_len or mcfg.max_seq_len
     train, val = open_windows(sources, seq_len, cfg.packing, cfg.data_format, mcfg.vocab_size)
     loader = TrainLoader(train, cfg.micro_batch, cfg.seed, device, d.rank, d.world_size)
-    evaluator = Evaluator(val, cfg, device, sources[0].folder, seq_len)
+    evaluator = Evaluator(val, cfg, device, sources)
     return Data(sources, train, val, loader, evaluator, mcfg, init[1] if init else None)
 
 

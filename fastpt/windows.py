@@ -213,3 +213,7 @@ class Mixture(WindowSet):
     def gather(self, indices: np.ndarray) -> torch.Tensor:
         """Validation: the same interleaving every time, each source's windows in order."""
         return self._rows(indices, (), shuffled=False)
+
+    def sources(self, indices: np.ndarray) -> np.ndarray:
+        """Which part each of gather(indices)'s windows comes from."""
+        return self._route(indices, ())[0]

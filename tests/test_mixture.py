@@ -3,17 +3,21 @@ ranks and exact on resume; every mistake in the spec is one line naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import TINY, assert_one_line_error, run_main
-from fastpt import train
-from fastpt.config import resolve
-from fastpt.data import TrainLoader, data_sources
+from fastpt import distributed, train
+from fastpt.config import PRESETS, TrainConfig, resolve
+from fastpt.data import Source, TrainLoader, data_sources, open_windows, source_names
+from fastpt.evaluate import evaluate
+from fastpt.model import Transformer
 from fastpt.prepare import prepare
 from fastpt.shards import write_shard
 from fastpt.windows import Mixture, Windows, quotas
@@ -87,7 +91,31 @@ def test_a_mixture_trains_and_the_summary_shows_each_share(two_sets, tmp_path, c
     assert code == 0, err
     summary = next(line for line in out.splitlines() if line.startswith("data "))
     assert f"{two_sets / 'web'} 75.0%:" in summary and f"{two_sets / 'code'} 25.0%:" in summary
-    assert "val loss" in out
+    last = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert {"val_loss", "val_loss/web", "val_loss/code"} <= set(last)
+    line = next(line for line in out.splitlines() if "val loss" in line)
+    assert f"(web {last['val_loss/web']:.4f}, code {last['val_loss/code']:.4f})" in line
+
+
+def test_a_mixture_logs_each_sources_val_loss_beside_the_mixed_one(two_sets):
+    """val_loss/SOURCE: the mean over that source's validation windows among the evaluated ones;
+    val_loss over all of them, as before."""
+    sources = [Source(two_sets / "web", 0.7), Source(two_sets / "code", 0.3)]
+    _, val = open_windows(sources, 16, "concat", "llmc", 257)
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=257))
+    cfg = TrainConfig(micro_batch=4, eval_tokens=16 * 30)  # 30 windows in 8 batches, the last short
+    cpu = torch.device("cpu")
+    names = source_names(sources)
+    got = evaluate(model, val, cfg, cpu, torch.autocast("cpu", enabled=False), distributed.Dist(), None, names)
+    w, origin = val.gather(np.arange(30)), torch.from_numpy(val.sources(np.arange(30)))  # (30, 17), (30,)
+    with torch.no_grad():
+        nats = F.cross_entropy(model(w[:, :-1])[0].transpose(1, 2), w[:, 1:], reduction="none").mean(1)  # (30,)
+    assert names == ["web", "code"] and 0 < int((origin == 1).sum()) < 30
+    assert got["val_loss"] == pytest.approx(nats.mean().item(), rel=1e-5)
+    for k, name in enumerate(names):
+        assert got[f"val_loss/{name}"] == pytest.approx(nats[origin == k].mean().item(), rel=1e-5)
+    assert abs(got["val_loss/web"] - got["val_loss/code"]) > 0.01
 
 
 def test_the_toml_table_form_is_the_same_mixture(two_sets, tmp_path):

@@ -204,10 +204,10 @@ def test_evaluation_compiles_once_for_its_partial_batch(tiny_data):
     model.compile(dynamic=False)
     windows = Windows(find_shards(tiny_data, "val"), 32)
     autocast = torch.autocast("cpu", enabled=False)
-    first = evaluate(model, windows, cfg, torch.device("cpu"), autocast, Dist())  # (val_loss, val_bpb)
+    first = evaluate(model, windows, cfg, torch.device("cpu"), autocast, Dist())  # {val_loss, val_bpb}
     graphs = compiled_graphs()
     assert evaluate(model, windows, cfg, torch.device("cpu"), autocast, Dist()) == first
-    assert compiled_graphs() == graphs and math.isfinite(first[0])
+    assert compiled_graphs() == graphs and math.isfinite(first["val_loss"])
 
 
 @pytest.mark.gpu
