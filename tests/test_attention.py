@@ -335,3 +335,42 @@ def test_block_masks_compile_once_for_every_document_layout(config, monkeypatch)
     assert counters["stats"]["unique_graphs"] == (2 if per_block else 1)  # the builder and the blocks; the model
     for got, want in zip(flex, dense):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("config", COMPILE_CONFIGS)
+def test_flex_document_attention_trains_on_cuda_without_recompiles(config, monkeypatch):
+    """The GPU's training path (the BlockMask built by compiled code, FlexAttention forward and
+    backward) over batches with other document layouts: no recompile, and the dense mask's losses
+    and gradients."""
+    import torch._dynamo
+
+    from fastpt.distributed import compile_in_place
+
+    mode, per_block = COMPILE_CONFIGS[config]
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(CFG, dim=128)).cuda()  # head_dim 32: FlexAttention's kernels want >= 16
+    batches = [b.cuda() for b in layouts(4)]
+
+    def losses_and_grads() -> list[tuple[float, list[torch.Tensor]]]:
+        out = []
+        for b in batches:
+            model.zero_grad(set_to_none=True)
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = model(b, labels=b.roll(-1, 1)).loss
+            loss.backward()
+            out.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+        return out
+
+    monkeypatch.setattr(model_module, "document_mask", functools.partial(attention.document_mask, flex=False))
+    dense = losses_and_grads()
+    monkeypatch.undo()
+    compile_in_place(model, mode, per_block)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        flex = losses_and_grads()
+    for (flex_loss, flex_grads), (dense_loss, dense_grads) in zip(flex, dense):
+        assert flex_loss == pytest.approx(dense_loss, rel=1e-4)
+        for a, b in zip(flex_grads, dense_grads):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
