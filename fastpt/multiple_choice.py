@@ -27,8 +27,8 @@ from fastpt.errors import ConfigError, DataError
 from fastpt.tokenizer import load_tokenizer
 
 # --eval-mc-norm: what an ending's log-likelihood is divided by before the argmax. byte and char
-# count the ending's text without the whitespace that separates it from the context, as lm-eval
-# counts a choice without its target delimiter.
+# count the continuation (the context's trailing whitespace, then the ending) less one leading
+# whitespace character, the separator: lm-eval counts a choice without its target delimiter (" ").
 NORMS = {
     "byte": "per UTF-8 byte of the ending (lm-eval's acc_bytes)",
     "char": "per character of the ending (lm-eval's acc_norm)",
@@ -130,8 +130,10 @@ class Choice:
     length: float  # what the log-likelihood is divided by (--eval-mc-norm)
 
 
-def norm_length(norm: str, ending: str, scored: int) -> float:
-    text = ending.lstrip()
+def norm_length(norm: str, ctx: str, ending: str, scored: int) -> float:
+    """What --eval-mc-norm divides the ending's log-likelihood by."""
+    text = ctx[len(ctx.rstrip()) :] + ending  # what follows the context's last non-space
+    text = text[1:] if text[:1].isspace() else text
     return {"byte": len(text.encode("utf-8")), "char": len(text), "token": scored, "none": 1}[norm]
 
 
@@ -168,7 +170,8 @@ class MultipleChoice:
                     "(the tokenizer merges it into the context's last token): put a space between them"
                 )
             scored = min(len(ids), seq_len)
-            choices.append(Choice((prefix + ctx_ids + ids)[-(seq_len + 1) :], scored, norm_length(norm, text, scored)))
+            length = norm_length(norm, row.ctx, text, scored)
+            choices.append(Choice((prefix + ctx_ids + ids)[-(seq_len + 1) :], scored, length))
         return choices
 
     def _batch(self, choices: list[Choice], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

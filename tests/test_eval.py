@@ -153,10 +153,12 @@ def test_mc_endings_are_tokenized_in_their_context_as_lm_eval_does(tmp_path):
     apart = tok.encode_batch([ctx, ending])  # each alone: a word-start token after the context, another on the ending
     assert apart[0] != ctx_ids and [*apart[0], *apart[1]] != whole
     assert encode_in_context(tok, "the cat sees the", [" ball."]) == (ctx_ids, [ids])  # the space on either side
-    rows = [{"ctx": ctx, "endings": [ending, "moon."], "label": 0}]
+    rows = [{"ctx": ctx, "endings": [ending, " moon."], "label": 0}]
     mc = MultipleChoice(read_tasks(write_mc(tmp_path / "mc.jsonl", rows)), data, 64, 4, "char")
     first = mc.tasks[0][0][0]
-    assert first.tokens == [tok.eot_id, *ctx_ids, *ids] and first.scored == len(ids) and first.length == len("ball.")
+    assert first.tokens == [tok.eot_id, *ctx_ids, *ids] and first.scored == len(ids)
+    # per character of the continuation less the one separating space: "ball.", " moon." (lm-eval's choices)
+    assert [c.length for c in mc.tasks[0][0]] == [5, 6]
 
 
 def test_an_ending_merged_into_the_contexts_last_token_is_refused_naming_it(tmp_path):
