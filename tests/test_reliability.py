@@ -58,14 +58,14 @@ def save(obj, f, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     real_save(obj, f, *args, **kwargs)
 
-def forward(self, idx, labels=None, kv_cache=None):
+def forward(self, idx, labels=None, kv_cache=None, **kwargs):
     global train_forwards
     if labels is not None and self.training:
         train_forwards += 1
         step = (train_forwards - 1) // accum + 1
         if fault == "kill-at-step" and step == at:  # in the middle of the step, before its update
             os.kill(os.getpid(), signal.SIGKILL)
-    out = real_forward(self, idx, labels, kv_cache)
+    out = real_forward(self, idx, labels, kv_cache, **kwargs)
     if labels is not None and self.training and step in steps:  # "nan-at": poison these steps' losses
         out = out._replace(loss=out.loss * float("nan"))
     return out
