@@ -29,7 +29,8 @@ def git_commit() -> str:
     if os.environ.get("FASTPT_COMMIT"):
         return os.environ["FASTPT_COMMIT"]
     try:
-        return _git("rev-parse", "--short=12", "HEAD") + ("+dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        return _git("rev-parse", "--short=12", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
