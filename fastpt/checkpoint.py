@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / loa
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
+from fastpt import files
 from fastpt.errors import CheckpointError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
 
@@ -62,6 +64,7 @@ __all__ = [
     "find",
     "latest",
     "load",
+    "recover",
     "restore",
     "save",
     "step_of",
@@ -186,8 +189,19 @@ def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
         publish(tmp, path)  # over the same step from an attempt that was resumed, if any
 
 
+def recover(run_dir: Path) -> None:
+    """Put back every checkpoint that a save killed between publish's two renames left aside
+    (files.recover); only the run folder's owner calls it, before anything lists or cleans."""
+    for old in run_dir.glob(".ckpt_*.old"):
+        name = old.name.removeprefix(".").removesuffix(".old")
+        if NAME.match(name):
+            files.recover(old.with_name(name))
+
+
 def _clean(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints, and temporaries of writers killed mid-save."""
+    """Delete all but the newest `keep` checkpoints, and temporaries of writers killed mid-save
+    (a checkpoint left aside is put back first)."""
+    recover(run_dir)
     stale = [".ckpt_*.tmp*", ".ckpt_*.partial", ".ckpt_*.old", ".latest.tmp*"]
     for path in [*checkpoints(run_dir)[:-keep], *(p for pattern in stale for p in run_dir.glob(pattern))]:
         remove(path)
@@ -389,6 +403,14 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, states: dict[str, Stateful], meta: dict, keep: int = 3, is_main: bool = True):
         self.run_dir, self.states, self.meta, self.keep, self.is_main = run_dir, states, meta, keep, is_main
+
+    def recover(self) -> None:
+        """Put back checkpoints a killed save left aside (`recover`, on the main rank, which owns the
+        run folder); every rank waits for it, so all of them then list the same checkpoints."""
+        if self.is_main:
+            recover(self.run_dir)
+        if dist.is_initialized():
+            dist.barrier()
 
     def save(self, step: int) -> Path | None:
         """Checkpoint `step` (see `save`): the path on the main rank, None elsewhere."""

@@ -366,6 +366,7 @@ def start_or_resume(
             raise ConfigError(f"{path} was written with --optimizer {optimizer}: resume with the same optimizer")
 
     run_dir = ckpt.run_dir
+    ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
     if cfg.resume and (path := ckpt.restore(device, same_model)):
         log(f"resumed from {path} at step {state.step}")
         if state.step >= cfg.max_steps:

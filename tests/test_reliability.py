@@ -850,3 +850,87 @@ def test_the_soak_command_measures_and_resumes_exactly(tmp_path):
     assert summary["resume"] == {"resumed_from": "ckpt_00000040.pt", "steps_redone": 20, "identical": True}
     assert summary["open_fds"]["max"] < 64 and summary["rss_mib"]["max"] > 0
     assert "per-step losses identical" in (tmp_path / "out" / "soak.md").read_text()
+
+
+# ---- publish: a folder replaced in one step, or put back after a kill between two renames
+
+KILLED_PUBLISH = r"""
+import os, signal, sys
+from pathlib import Path
+from fastpt import files
+mode, tmp, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+if mode == "two renames":
+    files.exchange = lambda a, b: False  # an OS or filesystem without renameat2's RENAME_EXCHANGE
+    real_rename = Path.rename
+    def rename(self, target):
+        real_rename(self, target)
+        os.kill(os.getpid(), signal.SIGKILL)  # `out` is aside, the new folder not yet in
+    Path.rename = rename
+else:  # killed right after the swap, before the old folder (now under tmp's name) is deleted
+    real_remove = files.remove
+    files.remove = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == tmp else real_remove(p)
+files.publish(tmp, out)
+"""
+
+
+def killed_publish(mode: str, tmp: Path, out: Path) -> None:
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUBLISH, mode, str(tmp), str(out)], cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL
+
+
+def folder(path: Path, text: str) -> Path:
+    path.mkdir()
+    (path / "a").write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["exchange", "two renames"])
+def test_a_publish_killed_midway_leaves_one_whole_folder_and_the_next_start_recovers_it(tmp_path, mode):
+    from fastpt import files
+
+    if mode == "exchange" and not files.exchange(folder(tmp_path / "x", "x"), folder(tmp_path / "y", "y")):
+        pytest.skip("this filesystem has no RENAME_EXCHANGE (the two-rename fallback is tested)")
+    out, tmp = folder(tmp_path / "out", "old"), folder(tmp_path / ".out.tmp", "new")
+    killed_publish(mode, tmp, out)
+    if mode == "exchange":  # never a moment without `out`: the new one is in, the old one under tmp's name
+        assert (out / "a").read_text() == "new" and (tmp / "a").read_text() == "old"
+        assert not files.recover(out)
+    else:
+        assert not out.exists() and (tmp_path / ".out.old" / "a").read_text() == "old"
+        assert files.recover(out) and (out / "a").read_text() == "old"
+        assert not (tmp_path / ".out.old").exists()
+
+
+def test_a_checkpoint_resaved_and_killed_between_the_renames_is_resumed_from(reference, tiny_data, tmp_path):
+    """A sharded checkpoint of step 10 saved again over itself (a resumed attempt) and killed with the
+    old one aside and the new one not yet in, the only checkpoint of the run (keep 1): --resume
+    puts it back and resumes at step 10 (deleting it as a leftover lost the whole run)."""
+    from test_checkpoints import as_dcp_folder
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    ckpt = checkpoint.load(run_dir / "ckpt_00000010.pt")
+    for path in run_dir.glob("ckpt_*.pt"):
+        path.unlink()
+    as_dcp_folder(ckpt, run_dir / "ckpt_00000010")
+    as_dcp_folder(ckpt, run_dir / ".ckpt_00000010.partial")
+    killed_publish("two renames", run_dir / ".ckpt_00000010.partial", run_dir / "ckpt_00000010")
+    assert ckpt_names(run_dir) == [] and (run_dir / ".ckpt_00000010.old").is_dir()
+    resumed = run_train(*run_args(tiny_data, run_dir, "--resume", "--keep-checkpoints", "1"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {run_dir / 'ckpt_00000010'} at step 10" in resumed.stdout
+    assert ckpt_names(run_dir) == ["ckpt_00000010"] and not (run_dir / ".ckpt_00000010.old").exists()
+
+
+def test_an_export_killed_between_the_renames_is_put_back_before_out_is_checked(reference, tmp_path, capsys):
+    from fastpt import export
+
+    out = tmp_path / "hf"
+    assert run_main(export.main, [str(reference), "--out", str(out)], capsys)[0] == 0
+    earlier = folder_bytes(out)
+    shutil.copytree(out, tmp_path / ".hf.export-tmp")  # a complete new export, being published
+    killed_publish("two renames", tmp_path / ".hf.export-tmp", out)
+    assert not out.exists()
+    code, _, err = run_main(export.main, [str(reference), "--out", str(out)], capsys)
+    assert_one_line_error(code, err, f"--out {out} already holds the output of an earlier fastpt.export")
+    assert folder_bytes(out) == earlier and not (tmp_path / ".hf.old").exists()
