@@ -176,6 +176,28 @@ def lock(path: Path, what: str) -> IO[str]:
     return f
 
 
+@contextlib.contextmanager
+def owned_folder(folder: Path, what: str) -> Iterator[None]:
+    """Make `folder` (and its missing parents) and hold the lock on its `.lock` while the body runs.
+    A body that fails (a refused run) leaves the disk as it found it: what this made, the lock file and
+    the folders, is removed again when nothing else was written there. An OSError making the folder
+    is the caller's to report."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    folder.mkdir(parents=True, exist_ok=True)
+    lock_file = folder / ".lock"
+    fresh = not lock_file.exists()
+    with lock(lock_file, what):
+        try:
+            yield
+        except BaseException:
+            if fresh and os.listdir(folder) == [lock_file.name]:
+                lock_file.unlink()  # while still holding it: no other process can own it in between
+                with contextlib.suppress(OSError):  # one that another process filled meanwhile stays
+                    for path in made:
+                        path.rmdir()
+            raise
+
+
 def lock_folder(path: Path, out: Path, command: str) -> int:
     """Make and flock the folder `path` itself; the returned descriptor holds the lock until closed.
     A folder its owner has just renamed away (published) is not the one to hold: lock a fresh one."""
