@@ -24,11 +24,13 @@ def _git(*args: str) -> str:
 
 
 def git_commit() -> str:
-    """HEAD (+dirty with local changes); FASTPT_COMMIT wins, e.g. on a machine without .git."""
+    """HEAD (+dirty with changes to tracked files: a user's data/ or runs/ beside the code is not a
+    change to it); FASTPT_COMMIT wins, e.g. on a machine without .git."""
     if os.environ.get("FASTPT_COMMIT"):
         return os.environ["FASTPT_COMMIT"]
     try:
-        return _git("rev-parse", "--short=12", "HEAD") + ("+dirty" if _git("status", "--porcelain") else "")
+        dirty = _git("status", "--porcelain", "--untracked-files=no")
+        return _git("rev-parse", "--short=12", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -156,3 +156,21 @@ def test_the_baseline_computes_the_same_model_as_fastpt(tie):
     _, loss, _ = ours(ids[:, :-1], labels=ids[:, 1:])
     _, peer_loss, _ = theirs(ids[:, :-1], labels=ids[:, 1:])
     torch.testing.assert_close(peer_loss, loss, rtol=1e-5, atol=0)
+
+
+def test_commit_stamp_is_dirty_for_tracked_changes_only(tmp_path, monkeypatch):
+    """A user's untracked data/ or runs/ beside the code does not make results '+dirty'."""
+    from bench import common
+
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True)
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code")
+    monkeypatch.setattr(common, "REPO", tmp_path)
+    monkeypatch.delenv("FASTPT_COMMIT", raising=False)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train_000.bin").write_bytes(b"\0")
+    assert not common.git_commit().endswith("+dirty")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert common.git_commit().endswith("+dirty")

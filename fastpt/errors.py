@@ -52,16 +52,17 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"command line: {message}")
 
 
-def require(module: str, feature: str, pip_name: str | None = None):
-    """Import an optional package, or raise MissingPackage naming the feature and the pip command."""
+def require(module: str, feature: str, pip_name: str | None = None, extra: str | None = None):
+    """Import an optional package, or raise MissingPackage naming the feature and the pip command
+    (fastpt's extra that brings it, when there is one)."""
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingPackage(
-            f"{feature} needs the {pip_name or module} package: pip install {pip_name or module}"
-        ) from None
+        package = pip_name or module
+        how = f"pip install 'fastpt[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        raise MissingPackage(f"{feature} needs the {package} package: {how}") from None
 
 
 def fail(message: str) -> None:

@@ -51,7 +51,7 @@ class _Drop(logging.Filter):
 
 def require_torchao():
     with quiet_import():
-        return require("torchao.float8", "--float8", "torchao")
+        return require("torchao.float8", "--float8", "torchao", extra="float8")
 
 
 def check(device: torch.device) -> None:

@@ -64,7 +64,7 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict], list[int]]:
 def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write run_dir/loss.png (or `out`) and return its path; damaged lines of metrics.jsonl are
     skipped, with a warning that counts them."""
-    matplotlib = require("matplotlib", "fastpt.plot")
+    matplotlib = require("matplotlib", "fastpt.plot", extra="plot")
     matplotlib.use("Agg")  # files only: works without a display
     import matplotlib.pyplot as plt
 

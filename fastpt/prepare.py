@@ -9,6 +9,7 @@ real text that every machine has, so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -30,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from fastpt import files
+from fastpt.config import PRESETS
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
 from fastpt.sources import Source, documents, find_sources
@@ -358,6 +360,25 @@ def main(argv: list[str] | None = None) -> None:
         f"wrote {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
         f"(vocab {meta['vocab_size']}, {meta['documents']:,} documents) to {args.out}; tokenized "
         f"{meta['text_bytes'] / 2**20:,.1f} MB in {seconds:.1f} s ({meta['text_bytes'] / 2**20 / seconds:.1f} MB/s)"
+    )
+    if note := vocab_note(meta):
+        print(note)
+
+
+SMALL_CORPUS_TOKENS_PER_ID = 1000  # below this many training tokens per vocab id, the vocab is large for the corpus
+
+
+def vocab_note(meta: dict) -> str | None:
+    """A learnt vocab large for its corpus: on a small model it is most of the parameters and the time."""
+    vocab, tokens = meta["vocab_size"], meta["tokens"]["train"]
+    if meta["tokenizer"] != "bpe" or vocab <= 4096 or tokens >= SMALL_CORPUS_TOKENS_PER_ID * vocab:
+        return None
+    tiny = PRESETS["tiny"]
+    embedding, rest = vocab * tiny.dim, dataclasses.replace(tiny, vocab_size=1).num_params()
+    return (
+        f"note: vocab {vocab:,} for {tokens:,} training tokens: on the tiny preset the embedding is "
+        f"{embedding / (embedding + rest):.0%} of the parameters; for a CPU run or a corpus this small, "
+        "--vocab-size 4096 (the default corpus's) trains several times faster"
     )
 
 

@@ -54,7 +54,7 @@ class Decompressed(io.RawIOBase):
 
     def __init__(self, path: Path):
         self.path, self.format = path, {".gz": "gzip", ".zst": "zstd"}[path.suffix]
-        self.zstd = require("zstandard", f"reading {path}") if self.format == "zstd" else None
+        self.zstd = require("zstandard", f"reading {path}", extra="data") if self.format == "zstd" else None
         self.errors = (zlib.error, self.zstd.ZstdError) if self.zstd else (zlib.error,)  # what a damaged frame raises
         self.file = open(path, "rb")
         self.decoder, self.fresh = self._decoder(), True  # fresh: no byte of the current frame seen yet
@@ -235,7 +235,7 @@ def _check_text_column(type_name: str, field: str, where: str | Path) -> None:
 
 
 def _parquet_docs(path: Path, field: str) -> Iterator[str | None]:
-    pq = require("pyarrow.parquet", f"reading {path}", "pyarrow")
+    pq = require("pyarrow.parquet", f"reading {path}", "pyarrow", extra="data")
     try:
         table = pq.ParquetFile(path, page_checksum_verification=True)  # where the writer stored them
     except Exception as e:  # no footer: cut short, or not parquet at all
@@ -272,7 +272,7 @@ def _dataset_docs(ds, field: str, where: str) -> Iterator[str | None]:
 
 def _saved_docs(path: Path, field: str) -> Iterator[str | None]:
     """A save_to_disk folder: a Dataset, or a DatasetDict's train split (or its only one)."""
-    datasets = require("datasets", f"reading the saved dataset {path}")
+    datasets = require("datasets", f"reading the saved dataset {path}", extra="data")
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds and len(ds) != 1:
@@ -293,7 +293,7 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 def _hub_docs(spec: str, field: str) -> Iterator[str | None]:
     name, config, split = parse_hub_spec(spec)
-    datasets = require("datasets", f"--hf-dataset {spec}")
+    datasets = require("datasets", f"--hf-dataset {spec}", extra="data")
     for row in datasets.load_dataset(name, config, split=split, streaming=True):
         yield _field(row, field, f"--hf-dataset {spec}")
 

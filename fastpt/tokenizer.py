@@ -144,7 +144,7 @@ class TiktokenTokenizer:
     or the internet."""
 
     def __init__(self, name: str):
-        tiktoken = require("tiktoken", f"the tokenizer tiktoken:{name}")
+        tiktoken = require("tiktoken", f"the tokenizer tiktoken:{name}", extra="data")
         try:
             self.enc = tiktoken.get_encoding(name)
         except Exception as e:  # an unknown name, or no network and no cached file

@@ -542,3 +542,17 @@ def test_a_dataset_inside_its_input_folder_is_not_read_as_input(tmp_path, capsys
         )
         assert code == 0, err
         assert len(stream(out)) == len(DOCS[-1].encode()) + 1  # the document and its end-of-text token
+
+
+def test_prepare_says_when_the_vocab_is_large_for_the_corpus(tmp_path, capsys):
+    """~1 MB of stdlib code with a 6000-entry BPE: the vocab is most of a tiny model; 4096 is not flagged."""
+    corpus = sorted(Path(os.__file__).parent.glob("*.py"))[:12]
+    argv = [*map(str, corpus), "--workers", "1"]
+    code, out, _ = run_main(prepare.main, argv + ["--out", str(tmp_path / "big"), "--vocab-size", "6000"], capsys)
+    assert code == 0
+    meta = json.loads((tmp_path / "big" / "meta.json").read_text())
+    assert meta["vocab_size"] == 6000 and meta["tokens"]["train"] < 1000 * 6000
+    note = [line for line in out.splitlines() if line.startswith("note: vocab 6,000")]
+    assert len(note) == 1 and "--vocab-size 4096" in note[0] and "% of the parameters" in note[0]
+    code, out, _ = run_main(prepare.main, argv + ["--out", str(tmp_path / "small"), "--vocab-size", "4096"], capsys)
+    assert code == 0 and "note: vocab" not in out

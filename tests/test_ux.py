@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -177,7 +178,8 @@ def test_plot_writes_a_png(run_dir):
 
 def test_plot_without_matplotlib_says_what_to_install(run_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    with pytest.raises(MissingPackage, match="fastpt.plot needs the matplotlib package: pip install matplotlib"):
+    expected = "fastpt.plot needs the matplotlib package: pip install 'fastpt[plot]' (or pip install matplotlib)"
+    with pytest.raises(MissingPackage, match=re.escape(expected)):
         plot.plot(run_dir)
 
 
