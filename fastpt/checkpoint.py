@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / loa
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
+from fastpt import files
 from fastpt.errors import CheckpointError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
 
@@ -62,6 +64,7 @@ __all__ = [
     "find",
     "latest",
     "load",
+    "recover",
     "restore",
     "save",
     "step_of",
@@ -186,8 +189,19 @@ def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
         publish(tmp, path)  # over the same step from an attempt that was resumed, if any
 
 
+def recover(run_dir: Path) -> None:
+    """Put back every checkpoint that a save killed between publish's two renames left aside
+    (files.recover); only the run folder's owner calls it, before anything lists or cleans."""
+    for old in run_dir.glob(".ckpt_*.old"):
+        name = old.name.removeprefix(".").removesuffix(".old")
+        if NAME.match(name):
+            files.recover(old.with_name(name))
+
+
 def _clean(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints, and temporaries of writers killed mid-save."""
+    """Delete all but the newest `keep` checkpoints, and temporaries of writers killed mid-save
+    (a checkpoint left aside is put back first)."""
+    recover(run_dir)
     stale = [".ckpt_*.tmp*", ".ckpt_*.partial", ".ckpt_*.old", ".latest.tmp*"]
     for path in [*checkpoints(run_dir)[:-keep], *(p for pattern in stale for p in run_dir.glob(pattern))]:
         remove(path)
@@ -218,6 +232,12 @@ def tokenizer_of(path: Path, ckpt: dict) -> Path | None:
 LEGACY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.zeros(0).__reduce__()[0]]  # last: _reconstruct
 
 
+def reason(e: BaseException) -> str:
+    """An exception's first line, or its type when it has no message (torch's bare EOFError)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
     """One line for a file that the weights-only unpickler would not read: refused, naming the
     global or class it would have called; a file that is no pickle at all, with the reason."""
@@ -240,15 +260,16 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     try:
-        with torch.serialization.safe_globals(LEGACY_GLOBALS):
+        with torch.serialization.safe_globals(LEGACY_GLOBALS), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all
             ckpt = torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise unpickling_error(file, e) from None
-    except (OSError, RuntimeError, EOFError, ValueError, AttributeError, ModuleNotFoundError) as e:
-        raise CheckpointError(f"could not read checkpoint {file}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # damaged bytes fail anywhere in torch's reader: IndexError, EOFError, zip errors ...
+        raise CheckpointError(f"could not read checkpoint {file}: {reason(e)}") from None
     if isinstance(ckpt, dict) and "train_state" not in ckpt and "step" in ckpt:  # from before TrainState
         ckpt["train_state"] = {k: v for k, v in ckpt.items() if k not in TENSOR_KEYS}
-    missing = [k for k in REQUIRED_KEYS if not (isinstance(ckpt, dict) and k in ckpt)]
+    missing = [k for k in REQUIRED_KEYS if not (isinstance(ckpt, dict) and isinstance(ckpt.get(k), dict))]
     if missing:
         raise CheckpointError(f"{file} is not a fastpt checkpoint (no {', '.join(map(repr, missing))})")
     return ckpt
@@ -293,8 +314,12 @@ class SafeReader(FileSystemReader):
         try:
             with open(file, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            if not isinstance(metadata, dcp_metadata.Metadata):
+                raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
         except pickle.UnpicklingError as e:
             raise unpickling_error(file, e) from None
+        except Exception as e:  # damaged bytes: EOFError, IndexError, ...
+            raise CheckpointError(f"could not read checkpoint {file}: {reason(e)}") from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -328,20 +353,21 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
     for name, stateful in states.items():
         try:
             if name in TENSOR_KEYS and path.is_dir():
+                reader = SafeReader(path)
+                reader.read_metadata()  # damaged or refused: our one line, before DCP logs it as a traceback
                 layout = {name: stateful.state_dict()}  # what to read into
                 with warnings.catch_warnings():  # reading a sharded checkpoint in one process is intended
                     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-                    dcp.load(layout, checkpoint_id=path, storage_reader=SafeReader(path), planner=SafePlanner(path))
+                    dcp.load(layout, checkpoint_id=path, storage_reader=reader, planner=SafePlanner(path))
                 stateful.load_state_dict(layout[name])
             else:
                 stateful.load_state_dict(ckpt[name])
-        except (OSError, RuntimeError, KeyError, ValueError, CheckpointException) as e:
+        except (Exception, CheckpointException) as e:  # a state of the wrong shape or type: a damaged checkpoint
             if isinstance(e, CheckpointException):  # DCP wraps what each rank raised
                 e = next(iter(e.failures.values()))[0]
             if isinstance(e, FastptError):  # a refused file (CheckpointError), a loader that does not fit the data
                 raise type(e)(str(e) if str(path) in str(e) else f"{path}: {e}") from None
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise CheckpointError(f"could not load the {name} state from {path}: {reason}") from None
+            raise CheckpointError(f"could not load the {name} state from {path}: {reason(e)}") from None
 
 
 def restore(
@@ -377,6 +403,14 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, states: dict[str, Stateful], meta: dict, keep: int = 3, is_main: bool = True):
         self.run_dir, self.states, self.meta, self.keep, self.is_main = run_dir, states, meta, keep, is_main
+
+    def recover(self) -> None:
+        """Put back checkpoints a killed save left aside (`recover`, on the main rank, which owns the
+        run folder); every rank waits for it, so all of them then list the same checkpoints."""
+        if self.is_main:
+            recover(self.run_dir)
+        if dist.is_initialized():
+            dist.barrier()
 
     def save(self, step: int) -> Path | None:
         """Checkpoint `step` (see `save`): the path on the main rank, None elsewhere."""

@@ -154,9 +154,12 @@ class TrainLoader:
             "windows_consumed": self.position * self.world_size * self.micro_batch,
             "seed": self.seed,
             "num_windows": len(self.windows),
+            "mixture": self.windows.composition(),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if "mixture" in state:  # absent from checkpoints of earlier releases
+            check_same_mixture(state["mixture"], self.windows.composition())
         if state["num_windows"] != len(self.windows):
             raise DataError(
                 f"checkpoint's loader saw {state['num_windows']} windows, the data now has "
@@ -171,6 +174,27 @@ class TrainLoader:
         self.close()
         self.seed = state["seed"]
         self.position = state["windows_consumed"] // per_micro
+
+
+def describe_mixture(composition: list[dict] | None) -> str:
+    if composition is None:
+        return "one dataset"
+    block = sum(part["quota"] for part in composition)
+    return " + ".join(f"{p['folder']} {p['quota'] / block:.1%} ({p['windows']:,} windows)" for p in composition)
+
+
+def check_same_mixture(saved: list[dict] | None, now: list[dict] | None) -> None:
+    """A resumed mixture must draw as the checkpoint's did: other shares or sources would remap every
+    later position of the stream. Folders may move; the shares and the sources' sizes may not."""
+
+    def shape(composition):
+        return composition and [(p["quota"], p["windows"]) for p in composition]
+
+    if shape(saved) != shape(now):
+        raise DataError(
+            f"the checkpoint's mixture is {describe_mixture(saved)}, --data now gives {describe_mixture(now)}: "
+            "resume with the checkpoint's sources and weights (a mixture cannot change mid-run)"
+        )
 
 
 def eval_batches(

@@ -8,6 +8,7 @@ import contextlib
 import datetime
 import inspect
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -72,40 +73,56 @@ def setup(device_type: str) -> Dist:
     return d
 
 
-def _dead(host: str, pid: int) -> bool | None:
-    """Whether the process is gone (or a zombie); None when it runs on another machine."""
+def _state(host: str, pid: int) -> str | None:
+    """The process's state letter in /proc ('R', 'S', 'T' stopped, 't' stopped by a debugger, 'Z'
+    a zombie), 'X' when it is gone; None when it runs on another machine."""
     if host != socket.gethostname():
         return None
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return True
+        return "X"
+
+
+def lost_ranks(d: Dist) -> list[str]:
+    """The other ranks on this machine that are dead or stopped, each as a phrase for the error line.
+    A rank stopped by a signal (SIGSTOP, a frozen process) is SIGKILLed: it would never end by itself,
+    and torchrun would wait its shutdown timeout (30 s) for it before it restarts the group. One
+    stopped by a debugger ('t') is left alone."""
+    lost = []
+    for r, (host, pid) in enumerate(d.peers):
+        state = None if r == d.rank else _state(host, pid)
+        if state in ("Z", "X"):
+            lost.append(f"rank {r} (pid {pid} on {host}) died")
+        elif state == "T":
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            lost.append(f"rank {r} (pid {pid} on {host}) is stopped (SIGSTOP, or frozen) and was killed")
+        elif state == "t":
+            lost.append(f"rank {r} (pid {pid} on {host}) is stopped by a debugger")
+    return lost
 
 
 @contextlib.contextmanager
 def report_lost_ranks(d: Dist):
-    """A collective that fails because a rank died (or timed out waiting for one) becomes one line
-    naming the rank and exit 1 at once, instead of a traceback from every survivor; other errors pass
-    through. At once: the broken process group's destructors can block for as long as torchrun waits
-    before it SIGKILLs a worker, delaying the restart; checkpoints and metrics are written whole, so
-    skipping the interpreter's cleanup loses nothing."""
+    """A collective that fails because a rank died, or timed out waiting for one that hangs, becomes
+    one line naming the rank and exit 1 at once, instead of a traceback from every survivor; other
+    errors pass through. At once: the broken process group's destructors can block for as long as
+    torchrun waits before it SIGKILLs a worker, delaying the restart; checkpoints and metrics are
+    written whole, so skipping the interpreter's cleanup loses nothing."""
     try:
         yield
     except RuntimeError as e:  # gloo and NCCL raise DistBackendError, a RuntimeError; older torch plain ones
         if not d.enabled or isinstance(e, FastptError):
             raise
-        dead = [
-            f"rank {r} (pid {pid} on {host})"
-            for r, (host, pid) in enumerate(d.peers)
-            if r != d.rank and _dead(host, pid)
-        ]
-        if not dead and not isinstance(e, dist.DistError):
+        lost = lost_ranks(d)
+        if not lost and not isinstance(e, dist.DistError):
             raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        who = f"{', '.join(dead)} died" if dead else "another rank stopped answering"
         fail(
-            f"rank {d.rank}: {who}; a collective failed ({first_line[:200]}). torchrun --max-restarts restarts "
-            "the group, which resumes from the newest complete checkpoint with --resume"
+            f"rank {d.rank}: {', '.join(lost) if lost else 'another rank stopped answering'}; a collective failed "
+            f"({first_line[:200]}). torchrun --max-restarts restarts the group, which resumes from the newest "
+            "complete checkpoint with --resume"
         )
         sys.stdout.flush()
         os._exit(1)

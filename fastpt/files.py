@@ -5,6 +5,7 @@ give a run folder or an output folder one owner."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import fnmatch
@@ -14,6 +15,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -68,19 +70,60 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+RENAME_EXCHANGE = 2  # renameat2(2)'s flag: swap two paths in one step
+AT_FDCWD = -100
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the paths `a` and `b` atomically (Linux renameat2 with RENAME_EXCHANGE, glibc 2.28+);
+    False where the C library, the kernel or the filesystem cannot, and nothing was changed."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # not here: rename twice instead
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def aside(out: Path) -> Path:
+    """Where publish moves `out` while the two-rename swap is under way."""
+    return out.with_name(f".{out.name}.old")
+
+
 def publish(tmp: Path, out: Path) -> None:
-    """Rename the complete folder `tmp` to `out`. Whatever `out` held is moved aside first and deleted
-    after, so a crash at any moment leaves the old folder or the new one under `out`, never a mix.
-    (Checkpoint directories can be published with this too.)"""
+    """Rename the complete folder `tmp` to `out`. Over an existing `out` the two are swapped in one
+    step where the OS allows it (`exchange`), so `out` is never missing; elsewhere `out` is moved
+    aside first, and a crash before the new one is in leaves it there for `recover`. Either way the
+    old folder is deleted only after the new one is in place, never a mix of the two.
+    (Checkpoint directories are published with this too.)"""
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         out.rmdir()
-    old = out.with_name(f".{out.name}.old")
+    old = aside(out)
     if out.exists() or out.is_symlink():
         remove(old)
+        if exchange(tmp, out):
+            fsync_dir(out.parent)
+            remove(tmp)  # the old folder, under the temporary name: a crash here leaves it to the next cleanup
+            return
         out.rename(old)
     tmp.rename(out)
     fsync_dir(out.parent)
     remove(old)
+
+
+def recover(out: Path) -> bool:
+    """Put back the folder a publish killed between its two renames left aside (only where the OS
+    had no atomic exchange): `out` missing and its `.old` whole. True when it did. Call it before
+    anything cleans `.old` leftovers, by the writer that owns `out`."""
+    old = aside(out)
+    if out.exists() or out.is_symlink() or not old.exists():
+        return False
+    old.rename(out)
+    fsync_dir(out.parent)
+    return True
 
 
 def foreign_files(folder: Path, ours: Iterable[str]) -> list[str]:
@@ -91,7 +134,9 @@ def foreign_files(folder: Path, ours: Iterable[str]) -> list[str]:
 
 def check_out(out: Path, ours: Iterable[str], marker: str, command: str, overwrite: bool) -> None:
     """Refuse an --out that would cost a user anything: a file, a folder holding files that `command`
-    does not write (named), and an earlier output of `command` (its `marker` file) without --overwrite."""
+    does not write (named), and an earlier output of `command` (its `marker` file) without --overwrite.
+    An earlier output that a killed publish left aside is put back first, and checked as `out`."""
+    recover(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; --out takes a folder")
     if not out.is_dir() or not any(out.iterdir()):
@@ -129,6 +174,28 @@ def lock(path: Path, what: str) -> IO[str]:
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+@contextlib.contextmanager
+def owned_folder(folder: Path, what: str) -> Iterator[None]:
+    """Make `folder` (and its missing parents) and hold the lock on its `.lock` while the body runs.
+    A body that fails (a refused run) leaves the disk as it found it: what this made, the lock file and
+    the folders, is removed again when nothing else was written there. An OSError making the folder
+    is the caller's to report."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    folder.mkdir(parents=True, exist_ok=True)
+    lock_file = folder / ".lock"
+    fresh = not lock_file.exists()
+    with lock(lock_file, what):
+        try:
+            yield
+        except BaseException:
+            if fresh and os.listdir(folder) == [lock_file.name]:
+                lock_file.unlink()  # while still holding it: no other process can own it in between
+                with contextlib.suppress(OSError):  # one that another process filled meanwhile stays
+                    for path in made:
+                        path.rmdir()
+            raise
 
 
 def lock_folder(path: Path, out: Path, command: str) -> int:

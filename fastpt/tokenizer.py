@@ -262,8 +262,8 @@ def read_nanogpt_meta(path: Path) -> dict:
         if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or meta["vocab_size"] < 1:
             raise ValueError("no integer vocab_size")
         return meta
-    except (OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise DataError(f"{path}: not a nanoGPT meta.pkl ({e})") from None
+    except Exception as e:  # damaged bytes fail anywhere in the unpickler: OverflowError, MemoryError, ...
+        raise DataError(f"{path}: not a nanoGPT meta.pkl ({str(e) or type(e).__name__})") from None
 
 
 def char_tokenizer_from_meta(meta: dict, path: Path) -> CharTokenizer:

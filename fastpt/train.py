@@ -9,7 +9,6 @@ build_model, the Checkpointer with every piece of checkpointed state, write_run_
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -17,7 +16,7 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,7 @@ from fastpt.data import (
 )
 from fastpt.errors import CheckpointError, ConfigError, print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
-from fastpt.files import lock
+from fastpt.files import owned_folder
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.metrics import Dashboard, MetricsLogger, Pace, device_name, peak_flops, rewind
 from fastpt.model import Transformer
@@ -239,16 +238,13 @@ def unwritable(cfg: TrainConfig, e: OSError) -> ConfigError:
     return ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})")
 
 
-@contextlib.contextmanager
-def own_run_folder(cfg: TrainConfig) -> Iterator[None]:
-    """One trainer per run folder: a second one is refused before it touches anything."""
+def own_run_folder(cfg: TrainConfig, cleanup: ExitStack) -> None:
+    """One trainer per run folder, until `cleanup` closes: a second one is refused before it touches
+    anything, and a run refused before it wrote anything leaves no folder behind (files.owned_folder)."""
     try:
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        held = lock(Path(cfg.out) / ".lock", "trainer")
+        cleanup.enter_context(owned_folder(Path(cfg.out), "trainer"))
     except OSError as e:
         raise unwritable(cfg, e) from None
-    with held:  # closing the file drops the lock
-        yield
 
 
 @dataclass
@@ -366,6 +362,7 @@ def start_or_resume(
             raise ConfigError(f"{path} was written with --optimizer {optimizer}: resume with the same optimizer")
 
     run_dir = ckpt.run_dir
+    ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
     if cfg.resume and (path := ckpt.restore(device, same_model)):
         log(f"resumed from {path} at step {state.step}")
         if state.step >= cfg.max_steps:
@@ -478,7 +475,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
     log = print_or_drop if d.is_main else (lambda *a, **k: None)
     with ExitStack() as cleanup:  # whatever ends the run, everything opened here is closed
         if d.is_main:
-            cleanup.enter_context(own_run_folder(cfg))
+            own_run_folder(cfg, cleanup)
         data = build_data(cfg, d, device)
         cleanup.callback(data.loader.close)
         net = build_model(cfg, data, device, d)

@@ -44,6 +44,10 @@ class WindowSet:
         """The windows at these positions of the shuffled stream -> (len(positions), seq_len + 1)."""
         return self.gather(permuted(len(self), positions, seed, self._perms))
 
+    def composition(self) -> list[dict] | None:
+        """What a mixture draws from, per source (folder, windows per block, windows); None for one set."""
+        return None
+
 
 class Windows(WindowSet):
     """Non-overlapping windows of seq_len + 1 tokens over a list of memory-mapped shards."""
@@ -151,13 +155,17 @@ class BosWindows(WindowSet):
 
 
 def quotas(weights: list[float], total: int) -> np.ndarray:
-    """Integer shares of `total` in proportion to weights (largest remainder), each at least 1."""
+    """Integer shares of `total` in proportion to weights (largest remainder) that sum to `total`,
+    each at least 1: a source too small for one window of `total` still gets one, taken from the
+    sources that hold more than one. More sources than `total` is a DataError."""
+    if len(weights) > total:
+        raise DataError(f"'data' names {len(weights)} sources; a mixture takes at most {total}")
     exact = np.asarray(weights, dtype=np.float64) / sum(weights) * total
     quota = np.maximum(1, np.floor(exact)).astype(np.int64)
     while quota.sum() < total:
         quota[np.argmax(exact - quota)] += 1
-    while quota.sum() > total:
-        quota[np.argmax(quota - exact)] -= 1
+    while quota.sum() > total:  # the forced ones: give back from the sources most over their share
+        quota[np.argmax(np.where(quota > 1, quota - exact, -np.inf))] -= 1
     return quota
 
 
@@ -177,6 +185,12 @@ class Mixture(WindowSet):
 
     def __len__(self) -> int:
         return self.epoch_len
+
+    def composition(self) -> list[dict]:
+        return [
+            {"folder": str(part.shards[0].parent), "quota": int(q), "windows": len(part)}
+            for part, q in zip(self.parts, self.quota)
+        ]
 
     def _route(self, positions: np.ndarray, seed: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
         """Stream positions -> (source, how many draws that source had before)."""

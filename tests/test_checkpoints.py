@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import TINY, assert_one_line_error, read_metrics, run_main
+from conftest import TINY, assert_one_line_error, read_metrics, run_main, run_train
 from fastpt import checkpoint, export, sample, train
 
 
@@ -302,3 +302,68 @@ def test_the_eta_follows_the_steady_pace_after_the_warm_up(monkeypatch):
         pace.lap(10)
     assert pace.eta(60) == pytest.approx(60.0)  # not the 600 s the first window's pace would say
     assert pace.eta(0) == 0.0
+
+
+# ---- damaged bytes: whatever torch raises reading them, the file is damaged, never a traceback
+
+
+def random_bytes(seed: int, n: int = 4096) -> bytes:
+    return np.random.default_rng(seed).bytes(n)
+
+
+# Seeds whose bytes make torch's weights-only unpickler raise each of its exception classes:
+# 0 UnpicklingError, 17 IndexError ('pop from empty list'), 21 IndexError, 54 UnicodeDecodeError, 62 KeyError.
+DAMAGE = {
+    **{f"random bytes (seed {seed})": lambda data, seed=seed: random_bytes(seed) for seed in (0, 17, 21, 54, 62)},
+    "empty": lambda data: b"",
+    "a zip header, then random bytes": lambda data: b"PK\x03\x04" + random_bytes(1),
+    "cut after 10 bytes": lambda data: data[:10],
+    "cut in half": lambda data: data[: len(data) // 2],
+    "cut by one byte": lambda data: data[:-1],
+}
+
+
+def damaged_run(reference: Path, run_dir: Path, case: str) -> Path:
+    """A copy of the reference run (checkpoints 4 and 6) whose newest checkpoint is damaged."""
+    shutil.copytree(reference, run_dir)
+    newest = run_dir / "ckpt_00000006.pt"
+    newest.write_bytes(DAMAGE[case](newest.read_bytes()))
+    return newest
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_of_any_kind(reference, tiny_data, tmp_path, capsys):
+    """Every damage through --resume: one warning naming the file, resumed from the intact step 4."""
+    for i, case in enumerate(DAMAGE):
+        run_dir = tmp_path / f"run{i}"
+        newest = damaged_run(reference, run_dir, case)
+        code, out, err = run_main(train.main, run_args(tiny_data, run_dir, "--resume", "--max-steps", "4"), capsys)
+        assert code == 0 and "Traceback" not in err, (case, err)
+        assert f"resumed from {run_dir / 'ckpt_00000004.pt'} at step 4" in out, case
+        assert err.startswith(f"fastpt: warning: skipped a newer checkpoint: could not read checkpoint {newest}: ")
+        assert err.count("\n") == 1, (case, err)
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_sample_and_export_of_a_damaged_checkpoint_are_one_line(reference, tmp_path, capsys, case):
+    newest = damaged_run(reference, tmp_path / "run", case)
+    code, _, err = run_main(sample.main, ["--ckpt", str(newest), "--device", "cpu", "--max-new-tokens", "2"], capsys)
+    assert_one_line_error(code, err, f"could not read checkpoint {newest}: ")
+    code, _, err = run_main(export.main, [str(newest), "--out", str(tmp_path / "hf")], capsys)
+    assert_one_line_error(code, err, f"could not read checkpoint {newest}: ")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("damaged", [".metadata", checkpoint.STATE_FILE, "__0_0.distcp"])
+def test_resume_skips_a_dcp_folder_with_a_damaged_file(reference, tiny_data, tmp_path, damaged):
+    """In a real process: what DCP logs about a damaged folder would reach stderr there."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    newest = run_dir / "ckpt_00000006"
+    as_dcp_folder(checkpoint.load(run_dir / "ckpt_00000006.pt"), newest)
+    (run_dir / "ckpt_00000006.pt").unlink()
+    (newest / damaged).write_bytes(random_bytes(17))
+    result = run_train(*run_args(tiny_data, run_dir, "--resume", "--max-steps", "4"))
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {run_dir / 'ckpt_00000004.pt'} at step 4" in result.stdout
+    assert result.stderr.startswith("fastpt: warning: skipped a newer checkpoint: ") and str(newest) in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr

@@ -469,6 +469,15 @@ TRAIN_MISTAKES = {  # name -> (edit a shard folder d, --data, extra flags, what 
         ["--data-format", "nanogpt"],
         "{d}/meta.pkl",
     ),
+    **{  # bytes the unpickler fails on with OverflowError (38) and MemoryError (215), not UnpicklingError
+        f"meta.pkl of random bytes (seed {seed})": (
+            lambda d, seed=seed: nanogpt(d) or (d / "meta.pkl").write_bytes(np.random.default_rng(seed).bytes(64)),
+            "{d}",
+            ["--data-format", "nanogpt"],
+            "{d}/meta.pkl: not a nanoGPT meta.pkl",
+        )
+        for seed in (38, 215)
+    },
     "meta.pkl that runs code": (
         lambda d: nanogpt(d) or (d / "meta.pkl").write_bytes(pickle.dumps(os.getcwd)),
         "{d}",

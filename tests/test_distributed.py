@@ -123,7 +123,10 @@ def test_one_process_checkpoint_resumes_sharded_in_two(runs, tiny_data, tmp_path
 # ---- a rank that dies under torchrun
 
 DIST_FAULT = r"""
-import os, signal, sys
+import os, signal, sys, time
+if os.environ["RANK"] == "0" and os.environ.get("FAULT_LOG"):  # when each attempt's rank 0 began
+    with open(os.path.join(os.environ["FAULT_LOG"], "attempt" + os.environ["TORCHELASTIC_RESTART_COUNT"]), "w") as f:
+        f.write(repr(time.time()))
 import torch.distributed.checkpoint as dcp
 from fastpt import errors, model, train
 fault, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -138,6 +141,10 @@ def forward(self, idx, *args, **kwargs):
         forwards += 1
         if fault == "kill-at-step" and (forwards - 1) // accum + 1 == at:  # mid-step, before its update
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "stop-at-step" and (forwards - 1) // accum + 1 == at:  # hangs: alive, never answering
+            with open(os.path.join(os.environ["FAULT_LOG"], "stopped"), "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
     return real_forward(self, idx, *args, **kwargs)
 
 def save(state, *, checkpoint_id):
@@ -202,3 +209,34 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(
 
 def checkpoint_name(layout: str, step: int) -> str:
     return f"ckpt_{step:08d}" + (".pt" if layout == "ddp" else "")
+
+
+def test_a_rank_stopped_mid_step_is_named_within_the_timeout_and_the_restart_resumes_exactly(runs, tiny_data, tmp_path):
+    """Rank 1 SIGSTOPped in step 5 (DDP, torchrun --max-restarts 1, a 20 s collective timeout): it raises
+    nothing and never ends by itself. The survivor's collective times out, it names rank 1 as stopped in
+    one line and kills it, so the restart begins within seconds of the timeout (not after torchrun's own
+    30 s shutdown wait), resumes from step 3 and logs every loss of the uninterrupted run exactly."""
+    script, out, log = tmp_path / "faulty.py", tmp_path / "run", tmp_path / "log"
+    script.write_text(DIST_FAULT)
+    log.mkdir()
+    args = [*COMMON, "--data", str(tiny_data), "--out", str(out), *TWO_PROCS, "--resume"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    timeout = 20
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTPT_COLLECTIVE_TIMEOUT": str(timeout), "FAULT_LOG": str(log)}
+    result = subprocess.run(
+        [*torchrun, str(script), "stop-at-step", "5", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("fastpt: error: rank 0: rank 1 (pid")]
+    assert len(said) == 1, result.stderr[-4000:]
+    assert " is stopped (SIGSTOP, or frozen) and was killed; a collective failed" in said[0]
+    assert "Traceback" not in result.stderr.split(said[0])[0]
+    waited = float((log / "attempt1").read_text()) - float((log / "stopped").read_text())
+    assert timeout <= waited < timeout + 15, waited
+    assert f"resumed from {out / 'ckpt_00000003.pt'}" in result.stdout and result.stdout.count("resumed from") == 1
+    assert curve(out) == curve(runs["ddp"])

@@ -11,16 +11,19 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from conftest import TINY, assert_one_line_error, run_main
 from fastpt import distributed, train
 from fastpt.config import PRESETS, TrainConfig, resolve
 from fastpt.data import Source, TrainLoader, data_sources, open_windows, source_names
+from fastpt.errors import DataError
 from fastpt.evaluate import evaluate
 from fastpt.model import Transformer
 from fastpt.prepare import prepare
 from fastpt.shards import write_shard
-from fastpt.windows import Mixture, Windows, quotas
+from fastpt.windows import MIX_BLOCK, Mixture, Windows, quotas
 
 SEQ = 7
 
@@ -40,6 +43,28 @@ def test_quotas_keep_every_source_and_sum_to_the_block():
     assert quotas([0.8, 0.2], 1000).tolist() == [800, 200]
     assert quotas([1, 1, 1], 1000).tolist() == [334, 333, 333]
     assert quotas([1e-9, 1], 1000).tolist() == [1, 999]  # a tiny weight still draws
+    assert quotas([1e-4, 1e-4, 0.9998], 1000).tolist() == [1, 1, 998]  # two tiny ones: neither taken back
+    assert quotas([1.0] * 1000, 1000).tolist() == [1] * 1000
+    with pytest.raises(DataError, match="'data' names 1001 sources; a mixture takes at most 1000"):
+        quotas([1.0] * 1001, 1000)
+
+
+WEIGHT = st.floats(min_value=1e-12, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=500, deadline=None)
+@example([1e-4, 1e-4, 0.9998])
+@example([1e-12] * 999 + [1.0])
+@given(st.lists(st.one_of(WEIGHT, st.sampled_from([1e-4, 1e-9, 0.5, 1.0])), min_size=1, max_size=1000))
+def test_quotas_give_every_named_source_a_window_and_sum_to_the_block(weights):
+    """Any positive weights: each source >= 1 window per block, the block exactly full, no source above
+    its exact share rounded up, and, when no source is below one window, each within one of its share."""
+    quota = quotas(weights, MIX_BLOCK)
+    exact = np.asarray(weights) / sum(weights) * MIX_BLOCK
+    assert quota.min() >= 1 and quota.sum() == MIX_BLOCK
+    assert (quota <= np.maximum(1, np.ceil(exact))).all()
+    if exact.min() >= 1:
+        assert (np.abs(quota - exact) < 1).all()
 
 
 def test_a_mixture_draws_each_source_at_its_weight_and_resumes_exactly(tmp_path):
@@ -178,3 +203,27 @@ def test_a_bos_mixture_run_resumed_from_its_checkpoint_logs_what_the_whole_run_l
         ]
 
     assert after_step_3(resumed) == after_step_3(whole) and len(after_step_3(whole)) == 4  # 3 train + 1 eval
+
+
+def test_resuming_with_another_mixture_is_refused_in_one_line(two_sets, tmp_path, capsys):
+    """Other shares, another source, or one dataset where the mixture was: refused, naming both mixtures
+    (each would remap every later position). The same shares spelled otherwise (3:1 = 0.75:0.25) resume."""
+    web, code = two_sets / "web", two_sets / "code"
+    run = tmp_path / "run"
+    args = [*TINY, "--out", str(run), "--ckpt-every", "2", "--eval-every", "100"]
+    assert run_main(train.main, [*args, "--data", f"{web}:3,{code}:1", "--max-steps", "2"], capsys)[0] == 0
+    before = sorted(p.name for p in run.iterdir())
+    for spec, now in (
+        (f"{code}:1,{web}:3", f"{code} 25.0%"),  # the same epoch length: once resumed silently, remapped
+        (f"{web}:1,{code}:1", f"{web} 50.0%"),
+        (f"{web}:3,{code}:1,{two_sets / 'web'}/../code:1", "60.0%"),
+        (str(web), "--data now gives one dataset"),
+    ):
+        code_, _, err = run_main(train.main, [*args, "--data", spec, "--max-steps", "3", "--resume"], capsys)
+        assert_one_line_error(code_, err, "ckpt_00000002.pt: the checkpoint's mixture is ", f"{web} 75.0% (", now)
+        assert "a mixture cannot change mid-run" in err
+    assert sorted(p.name for p in run.iterdir()) == before
+    code_, out, err = run_main(
+        train.main, [*args, "--data", f"{web}:0.75,{code}:0.25", "--max-steps", "3", "--resume"], capsys
+    )
+    assert code_ == 0 and "at step 2" in out, err

@@ -850,3 +850,185 @@ def test_the_soak_command_measures_and_resumes_exactly(tmp_path):
     assert summary["resume"] == {"resumed_from": "ckpt_00000040.pt", "steps_redone": 20, "identical": True}
     assert summary["open_fds"]["max"] < 64 and summary["rss_mib"]["max"] > 0
     assert "per-step losses identical" in (tmp_path / "out" / "soak.md").read_text()
+
+
+# ---- publish: a folder replaced in one step, or put back after a kill between two renames
+
+KILLED_PUBLISH = r"""
+import os, signal, sys
+from pathlib import Path
+from fastpt import files
+mode, tmp, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+if mode == "two renames":
+    files.exchange = lambda a, b: False  # an OS or filesystem without renameat2's RENAME_EXCHANGE
+    real_rename = Path.rename
+    def rename(self, target):
+        real_rename(self, target)
+        os.kill(os.getpid(), signal.SIGKILL)  # `out` is aside, the new folder not yet in
+    Path.rename = rename
+else:  # killed right after the swap, before the old folder (now under tmp's name) is deleted
+    real_remove = files.remove
+    files.remove = lambda p: os.kill(os.getpid(), signal.SIGKILL) if p == tmp else real_remove(p)
+files.publish(tmp, out)
+"""
+
+
+def killed_publish(mode: str, tmp: Path, out: Path) -> None:
+    killed = subprocess.run([sys.executable, "-c", KILLED_PUBLISH, mode, str(tmp), str(out)], cwd=REPO)
+    assert killed.returncode == -signal.SIGKILL
+
+
+def folder(path: Path, text: str) -> Path:
+    path.mkdir()
+    (path / "a").write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["exchange", "two renames"])
+def test_a_publish_killed_midway_leaves_one_whole_folder_and_the_next_start_recovers_it(tmp_path, mode):
+    from fastpt import files
+
+    if mode == "exchange" and not files.exchange(folder(tmp_path / "x", "x"), folder(tmp_path / "y", "y")):
+        pytest.skip("this filesystem has no RENAME_EXCHANGE (the two-rename fallback is tested)")
+    out, tmp = folder(tmp_path / "out", "old"), folder(tmp_path / ".out.tmp", "new")
+    killed_publish(mode, tmp, out)
+    if mode == "exchange":  # never a moment without `out`: the new one is in, the old one under tmp's name
+        assert (out / "a").read_text() == "new" and (tmp / "a").read_text() == "old"
+        assert not files.recover(out)
+    else:
+        assert not out.exists() and (tmp_path / ".out.old" / "a").read_text() == "old"
+        assert files.recover(out) and (out / "a").read_text() == "old"
+        assert not (tmp_path / ".out.old").exists()
+
+
+def test_a_checkpoint_resaved_and_killed_between_the_renames_is_resumed_from(reference, tiny_data, tmp_path):
+    """A sharded checkpoint of step 10 saved again over itself (a resumed attempt) and killed with the
+    old one aside and the new one not yet in, the only checkpoint of the run (keep 1): --resume
+    puts it back and resumes at step 10 (deleting it as a leftover lost the whole run)."""
+    from test_checkpoints import as_dcp_folder
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    ckpt = checkpoint.load(run_dir / "ckpt_00000010.pt")
+    for path in run_dir.glob("ckpt_*.pt"):
+        path.unlink()
+    as_dcp_folder(ckpt, run_dir / "ckpt_00000010")
+    as_dcp_folder(ckpt, run_dir / ".ckpt_00000010.partial")
+    killed_publish("two renames", run_dir / ".ckpt_00000010.partial", run_dir / "ckpt_00000010")
+    assert ckpt_names(run_dir) == [] and (run_dir / ".ckpt_00000010.old").is_dir()
+    resumed = run_train(*run_args(tiny_data, run_dir, "--resume", "--keep-checkpoints", "1"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {run_dir / 'ckpt_00000010'} at step 10" in resumed.stdout
+    assert ckpt_names(run_dir) == ["ckpt_00000010"] and not (run_dir / ".ckpt_00000010.old").exists()
+
+
+def test_an_export_killed_between_the_renames_is_put_back_before_out_is_checked(reference, tmp_path, capsys):
+    from fastpt import export
+
+    out = tmp_path / "hf"
+    assert run_main(export.main, [str(reference), "--out", str(out)], capsys)[0] == 0
+    earlier = folder_bytes(out)
+    shutil.copytree(out, tmp_path / ".hf.export-tmp")  # a complete new export, being published
+    killed_publish("two renames", tmp_path / ".hf.export-tmp", out)
+    assert not out.exists()
+    code, _, err = run_main(export.main, [str(reference), "--out", str(out)], capsys)
+    assert_one_line_error(code, err, f"--out {out} already holds the output of an earlier fastpt.export")
+    assert folder_bytes(out) == earlier and not (tmp_path / ".hf.old").exists()
+
+
+# ---- a refused run leaves the disk as it found it
+
+
+class RunsAShell:
+    """What a crafted meta.pkl carries: unpickling it would call os.system."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+@pytest.fixture(scope="module")
+def refusal_data(tiny_data, bpe_data, tmp_path_factory) -> dict[str, Path]:
+    """Data folders for refused runs: shards with no document token and no tokenizer; nanoGPT bins
+    with a meta.pkl that would run a shell command; MC files with every mistake."""
+    import pickle
+
+    root = tmp_path_factory.mktemp("refusals")
+    bare = root / "bare"
+    bare.mkdir()
+    write_shard(bare / "train_000000.bin", np.arange(2000) % 250, 257)
+    write_shard(bare / "val_000000.bin", np.arange(500) % 250, 257)
+    crafted = root / "crafted"
+    crafted.mkdir()
+    for split in ("train", "val"):
+        (np.arange(3000) % 60).astype(np.uint16).tofile(crafted / f"{split}.bin")
+    (crafted / "meta.pkl").write_bytes(pickle.dumps(RunsAShell(f"touch {root / 'payload-ran'}")))
+    row = {"ctx": "a", "endings": ["b", "c"], "label": 0}
+    mc = {
+        "empty": "",
+        "malformed": json.dumps(row) + "\n{oops\n",
+        "label-out-of-range": json.dumps({**row, "label": 2}),
+        "label-a-string": json.dumps({**row, "label": "0"}),
+        "one-ending": json.dumps({**row, "endings": ["b"]}),
+        "empty-ending": json.dumps({**row, "endings": ["b", ""]}),
+        "good": json.dumps(row),
+    }
+    for name, text in mc.items():
+        (root / f"{name}.jsonl").write_text(text)
+    (root / "latin1.jsonl").write_bytes(json.dumps(row).replace("a", "\xe9").encode("latin-1"))
+    (root / "a-folder.jsonl").mkdir()
+    return {"tiny": tiny_data, "bpe": bpe_data, "root": root, "bare": bare, "crafted": crafted}
+
+
+REFUSALS = {  # name -> (flags, with {tiny}, {bpe}, {root}, {bare}, {crafted} filled in; what the error names)
+    "weight negative": (["--data", "{tiny}:1,{tiny}:-1"], "'-1'"),
+    "weight zero": (["--data", "{tiny}:1,{tiny}:0"], "'0'"),
+    "weight inf": (["--data", "{tiny}:1,{tiny}:inf"], "'inf'"),
+    "weight nan": (["--data", "{tiny}:1,{tiny}:nan"], "'nan'"),
+    "weight text": (["--data", "{tiny}:1,{tiny}:lots"], "'lots'"),
+    "weight a TOML string": (["--config", "{root}/string-weight.toml"], "'0.5x'"),
+    "a missing folder": (["--data", "{tiny}:1,{root}/nothing:1"], "{root}/nothing"),
+    "two tokenizers": (["--data", "{tiny}:1,{bpe}:1"], "{bpe}"),
+    "eval-mc missing": (["--eval-mc", "{root}/missing.jsonl"], "{root}/missing.jsonl"),
+    "eval-mc empty": (["--eval-mc", "{root}/empty.jsonl"], "no rows"),
+    "eval-mc malformed line": (["--eval-mc", "{root}/malformed.jsonl"], "{root}/malformed.jsonl:2"),
+    "eval-mc label out of range": (["--eval-mc", "{root}/label-out-of-range.jsonl"], '"label" 2'),
+    "eval-mc label a string": (["--eval-mc", "{root}/label-a-string.jsonl"], "\"label\" '0'"),
+    "eval-mc one ending": (["--eval-mc", "{root}/one-ending.jsonl"], "{root}/one-ending.jsonl:1"),
+    "eval-mc empty ending": (["--eval-mc", "{root}/empty-ending.jsonl"], "{root}/empty-ending.jsonl:1"),
+    "eval-mc not UTF-8": (["--eval-mc", "{root}/latin1.jsonl"], "{root}/latin1.jsonl"),
+    "eval-mc a folder": (["--eval-mc", "{root}/a-folder.jsonl"], "{root}/a-folder.jsonl"),
+    "eval-mc on data without a tokenizer": (["--data", "{bare}", "--eval-mc", "{root}/good.jsonl"], "tokenizer.json"),
+    "packing bos without a document token": (["--data", "{bare}", "--packing", "bos"], "'packing' = 'bos' needs"),
+    "attention document without a document token": (
+        ["--data", "{bare}", "--attention", "document"],
+        "'attention' = 'document' needs",
+    ),
+    "a crafted nanoGPT meta.pkl": (["--data", "{crafted}", "--data-format", "nanogpt"], "{crafted}/meta.pkl"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_refused_run_leaves_no_run_folder_behind(case, refusal_data, tmp_path, capsys):
+    """Each refusal: one line naming it, exit 2, and --out as it was: a new one (two folders deep) not
+    made, an empty one still empty (no .lock)."""
+    flags, named = REFUSALS[case]
+    names = {k: str(v) for k, v in refusal_data.items()}
+    (refusal_data["root"] / "string-weight.toml").write_text(f'[data]\n"{names["tiny"]}" = "0.5x"\n')
+    flags = [f.format(**names) for f in flags]
+    flags = flags if "--data" in flags or "--config" in flags else ["--data", names["tiny"], *flags]
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new" / "run", tmp_path / "empty"):
+        train_refuses(capsys, [*TINY, "--out", str(out), "--max-steps", "1", *flags], named.format(**names))
+    assert os.listdir(tmp_path) == ["empty"] and os.listdir(tmp_path / "empty") == []
+    assert not (refusal_data["root"] / "payload-ran").exists()
+
+
+def test_a_refused_resume_keeps_the_run_folder_and_its_lock_file(reference, tiny_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = sorted(os.listdir(run_dir))
+    train_refuses(capsys, [*run_args(tiny_data, run_dir, "--resume"), "--data", "/nothing"], "/nothing")
+    assert sorted(os.listdir(run_dir)) == before
