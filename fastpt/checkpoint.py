@@ -13,8 +13,7 @@ layout and world size: a file is sharded on load, a directory is resharded by DC
 
 Loading never runs code from the file: `torch.load(weights_only=True)` for files, a restricted
 unpickler for DCP's metadata and its non-tensor items. A checkpoint holds tensors and plain Python
-values only (NumPy's RNG state as a tensor); NumPy arrays are allowed too, for checkpoints that
-earlier releases wrote (their NumPy RNG state was an array).
+values only (NumPy's RNG state as a tensor).
 """
 
 from __future__ import annotations
@@ -113,8 +112,7 @@ class ModelState:
 
 class OptimizerState:
     """The state of one or more optimizers over the model's parameters (AdamW and Muon over
-    disjoint parameters, say), merged into one dict keyed by parameter name by torch; one
-    optimizer's is what earlier releases saved."""
+    disjoint parameters, say), merged into one dict keyed by parameter name by torch."""
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]):
         self.model, self.optimizers = model, list(optimizers)
@@ -140,14 +138,11 @@ class RNGState:
 
     def load_state_dict(self, state: dict) -> None:
         """Generators take their state as CPU byte tensors only; a checkpoint loaded onto the GPU
-        (map_location=device) brings these back as CUDA tensors. Earlier releases stored NumPy's
-        state as its legacy tuple, which set_state takes as it is."""
+        (map_location=device) brings these back as CUDA tensors."""
         random.setstate(state["python"])
         numpy = state["numpy"]
-        if isinstance(numpy, dict):
-            key = numpy["state"]["key"].cpu().numpy().astype(np.uint32)
-            numpy = {**numpy, "state": {**numpy["state"], "key": key}}
-        np.random.set_state(numpy)
+        key = numpy["state"]["key"].cpu().numpy().astype(np.uint32)
+        np.random.set_state({**numpy, "state": {**numpy["state"], "key": key}})
         torch.set_rng_state(state["torch"].cpu())
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
@@ -228,10 +223,6 @@ def tokenizer_of(path: Path, ckpt: dict) -> Path | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
-# What earlier releases' checkpoints hold beyond tensors and plain values: NumPy's RNG state array.
-LEGACY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.zeros(0).__reduce__()[0]]  # last: _reconstruct
-
-
 def reason(e: BaseException) -> str:
     """An exception's first line, or its type when it has no message (torch's bare EOFError)."""
     text = str(e).strip()
@@ -260,15 +251,13 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     try:
-        with torch.serialization.safe_globals(LEGACY_GLOBALS), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all
             ckpt = torch.load(file, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise unpickling_error(file, e) from None
     except Exception as e:  # damaged bytes fail anywhere in torch's reader: IndexError, EOFError, zip errors ...
         raise CheckpointError(f"could not read checkpoint {file}: {reason(e)}") from None
-    if isinstance(ckpt, dict) and "train_state" not in ckpt and "step" in ckpt:  # from before TrainState
-        ckpt["train_state"] = {k: v for k, v in ckpt.items() if k not in TENSOR_KEYS}
     missing = [k for k in REQUIRED_KEYS if not (isinstance(ckpt, dict) and isinstance(ckpt.get(k), dict))]
     if missing:
         raise CheckpointError(f"{file} is not a fastpt checkpoint (no {', '.join(map(repr, missing))})")

@@ -158,8 +158,7 @@ class TrainLoader:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if "mixture" in state:  # absent from checkpoints of earlier releases
-            check_same_mixture(state["mixture"], self.windows.composition())
+        check_same_mixture(state["mixture"], self.windows.composition())
         if state["num_windows"] != len(self.windows):
             raise DataError(
                 f"checkpoint's loader saw {state['num_windows']} windows, the data now has "
