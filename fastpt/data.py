@@ -391,3 +391,25 @@ def describe_data(sources: list[Source], train: WindowSet, val: WindowSet) -> st
             f"{len(v.shards)} val ({sum(map(len, v.tokens)):,} tokens)"
         )
     return " + ".join(out)
+
+
+MANY_EPOCHS = 4  # a run that reads its training windows more often than this mostly memorizes them
+
+
+def packing_warning(train: WindowSet, windows_per_step: int, max_steps: int) -> str | None:
+    """One line when --packing bos leaves the run little to learn from: it drops more than half of a
+    source's tokens, or the run reads its windows more than MANY_EPOCHS times."""
+    bos = [part for part in getattr(train, "parts", [train]) if isinstance(part, BosWindows)]
+    if not bos:
+        return None
+    worst = max(bos, key=lambda part: part.dropped)
+    epochs = windows_per_step * max_steps / len(train)
+    if worst.dropped <= 0.5 and epochs <= MANY_EPOCHS:
+        return None
+    return (
+        f"fastpt: warning: --packing bos drops {worst.dropped:.1%} of {worst.shards[0].parent}'s tokens "
+        f"(documents longer than seq_len + 1 keep only their first window) and leaves {len(train):,} windows, "
+        f"which {max_steps:,} steps read {epochs:.1f} times: expect the validation loss to climb; "
+        "--packing concat keeps every token"
+    )
+

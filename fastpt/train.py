@@ -48,6 +48,7 @@ from fastpt.data import (
     describe_data,
     doc_token,
     open_windows,
+    packing_warning,
 )
 from fastpt.errors import CheckpointError, ConfigError, print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
@@ -486,6 +487,8 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
         dash = build_dashboard(cfg, data, net, device, d)
         for line in summary(cfg, data, net, dash, device):
             log(line)
+        if warning := packing_warning(data.train, dash.tokens_per_step // data.train.seq_len, cfg.max_steps):
+            log(warning, file=sys.stderr)
         cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         probe = cleanup.enter_context(
             closing(StepProbe(profile_steps(cfg), ckpt.run_dir / "profile", device, d.rank, cuda_graphs=cuda_graphs))
