@@ -58,7 +58,8 @@ class ModelConfig:
         """A config as checkpoints store it (a field it lacks takes its default); a field this
         fastpt does not know is one line, not a guess at what the model was."""
         if unknown := sorted(set(saved) - set(MODEL_FIELDS)):
-            raise ConfigError(f"the checkpoint's model config has fields this fastpt does not know: {', '.join(unknown)}")
+            known = ", ".join(unknown)
+            raise ConfigError(f"the checkpoint's model config has fields this fastpt does not know: {known}")
         return cls(**saved)
 
     def check(self) -> ModelConfig:
