@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fastpt import checkpoint, distributed, float8, kernels
+from fastpt import checkpoint, distributed, float8, kernels, plan
 from fastpt.checkpoint import Checkpointer, ModelState, OptimizerState, RNGState
 from fastpt.config import (
     CUDA_GRAPH_MODES,
@@ -328,7 +328,8 @@ def build_model(cfg: TrainConfig, data: Data, device: torch.device, d: distribut
     raw = Transformer(data.model_config, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing)
     if data.init_weights is not None:
         raw.load_state_dict(data.init_weights)
-    raw.to(device)
+    if raw.output_weight.device != device:  # built in place already: fastpt.plan's fake model cannot be moved
+        raw.to(device)
     if cfg.float8:  # before compiling and sharding
         float8.convert(raw)
     model = distributed.parallelize(raw, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile_mode if cfg.compile else None)
@@ -469,9 +470,9 @@ def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
 # ---- the loop
 
 
-def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
-    """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop); returns the
-    process exit code."""
+def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen: str = "") -> int:
+    """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop; `chosen`, what
+    --micro-batch auto chose, joins the summary); returns the process exit code."""
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -487,7 +488,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
         start_or_resume(cfg, ckpt, state, data.model_config, device, log)
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
         dash = build_dashboard(cfg, data, net, device, d)
-        for line in summary(cfg, data, net, dash, device):
+        for line in summary(cfg, data, net, dash, device) + ([chosen] if chosen else []):
             log(line)
         cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         probe = cleanup.enter_context(
@@ -556,14 +557,17 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cli, config_file = parse_args(argv)
+    if plan.requested(cli, config_file):
+        return plan.main(cli, config_file)
     cfg = resolve(cli, config_file, pick_device(cli))
     check_runtime(cfg)
+    cfg, chosen = plan.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
     d = distributed.setup(cfg.device)
     try:
         # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank
         # must not kill it before it has said which rank died.
         with Preemption() as preemption, distributed.report_lost_ranks(d):
-            return train(cfg, d, preemption)
+            return train(cfg, d, preemption, chosen)
     finally:
         distributed.teardown(d)
 
