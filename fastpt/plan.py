@@ -31,7 +31,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,7 +75,11 @@ class Card:
     total: int  # bytes
 
     def __str__(self) -> str:
-        return f"{self.name} ({self.total / GIB:.1f} GiB)"
+        return (
+            f"{self.name} of {self.total / GIB:.1f} GiB"
+            if self.name == "a card"
+            else f"{self.name} ({self.total / GIB:.1f} GiB)"
+        )
 
 
 def card(spec: str) -> Card | None:
@@ -89,7 +93,7 @@ def card(spec: str) -> Card | None:
         name, mib = GPUS[spec.lower()]
         return Card(name, mib * MIB)
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:gib|g|gb)?", spec.strip().lower()):
-        return Card(f"{m[1]} GiB", int(float(m[1]) * GIB))
+        return Card("a card", int(float(m[1]) * GIB))
     raise ConfigError(f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB")
 
 
@@ -136,7 +140,9 @@ class FakeLoader:
 
 def planned_model(cfg: TrainConfig) -> ModelConfig:
     """The model the run would build, from the preset, the shape keys and --init-from's config.json;
-    the vocab from --data's meta (no shard is read) or the preset."""
+    the vocab from --data's meta (no shard is read), else the one the default corpus would have."""
+    from fastpt.train import default_vocab
+
     base = None
     if cfg.init_from:
         if not is_hf_dir(cfg.init_from):
@@ -144,13 +150,10 @@ def planned_model(cfg: TrainConfig) -> ModelConfig:
         path = Path(cfg.init_from) / "config.json"
         base = from_hf_config(read_json(path), str(path))
     sources = data_sources(cfg.data)
-    vocab = common_vocab(sources, cfg.data_format) if sources else 0
+    vocab = common_vocab(sources, cfg.data_format) if sources else 0 if base else default_vocab(cfg)
     document = cfg.attention == "document"
     doc = (doc_token(sources[0].folder, "'attention' = 'document'") if sources else 0) if document else None
-    mcfg = model_config(cfg, vocab, base, doc)
-    if not mcfg.vocab_size:
-        raise ConfigError(f"preset {cfg.preset!r} takes its vocab from the data: give --vocab-size N or --data DIR")
-    return mcfg
+    return model_config(cfg, vocab, base, doc)
 
 
 @contextlib.contextmanager
@@ -175,27 +178,34 @@ def as_planned(cfg: TrainConfig, target: str) -> TrainConfig:
 
 
 @dataclass
+class Peak:
+    """A traced step's peak and what was alive then."""
+
+    bytes: int  # what torch.cuda.max_memory_allocated would report (CPU: the allocator's peak)
+    parts: dict[str, int]  # parameters, gradients, optimizer state, activations, transient, ...
+    blocks: int  # the caching allocator's blocks beyond the requests
+    largest: tuple[int, str, tuple[int, ...]] | None  # the largest transient: bytes, op, shape
+    where: str  # 'step 2, micro-step 2, backward'
+    reserved: int  # max_memory_reserved (0 on a CPU)
+
+
+@dataclass
 class Plan:
-    """A planned step: the peak per GPU (or the CPU run's allocator peak) and where it goes."""
+    """A planned run: its peak per GPU (or the CPU run's allocator peak), against a card."""
 
     cfg: TrainConfig
     target: str  # cuda | cpu
     world_size: int
     seq_len: int
     params: int
-    peak: int  # bytes: what torch.cuda.max_memory_allocated would report (CPU: the allocator's peak)
-    parts: dict[str, int]  # at the peak
-    blocks: int  # the caching allocator's blocks beyond the requests, at the peak
-    largest: tuple[int, str, tuple[int, ...]] | None  # the largest transient then: bytes, op, shape
-    where: str
-    reserved: int  # max_memory_reserved (0 on a CPU)
-    card: Card | None
+    peak: Peak
+    card: Card | None = None
     seconds: float = 0.0
 
     @property
     def card_bytes(self) -> int:
         """What the card must hold: the allocator's reserve and the CUDA context."""
-        return self.reserved + CUDA_CONTEXT if self.target == "cuda" else self.peak
+        return self.peak.reserved + CUDA_CONTEXT if self.target == "cuda" else self.peak.bytes
 
     def fits(self, margin: float = 0.0) -> bool | None:
         return None if self.card is None else self.card_bytes <= self.card.total * (1 - margin)
@@ -209,29 +219,69 @@ class SimpleData:
     init_weights: None = None
 
 
-def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
-    """Two optimizer steps of the run over fake tensors, traced; the peak and its parts."""
-    t0 = time.perf_counter()
-    mcfg = planned_model(cfg)
-    seq_len = cfg.seq_len or mcfg.max_seq_len
+@contextlib.contextmanager
+def fake_run(target: str, world_size: int = 1, compile: bool = False) -> Iterator[tuple[distributed.Dist, MemoryTrace]]:
+    """Where a planned step is built and run: fake tensors (no byte allocated), fastpt's Triton ops
+    traced through their fakes, a fake process group for rank 0 of world_size, torch.compile's
+    caches off; the garbage collector off, so storages die when their last reference goes, as on a
+    GPU. Yields the process and an empty trace with the target's allocator rounding and scratch."""
     cuda = target == "cuda"
     mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, FSDP_LABELS)
     if cuda:  # allocated through torch's allocator at the first matmul, kept for the process
         mem.lives.append(Life(CUBLAS_WORKSPACE, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
     gc.collect()
-    gc.disable()  # storages die when their last reference goes, as on a GPU, not when a cycle is collected
-    compiling = compiling_for_plan() if cfg.compile else contextlib.nullcontext()
+    gc.disable()
     try:
-        with fake_world(world_size) as d, FakeTensorMode(allow_non_fake_inputs=True), kernels.tracing_only(), compiling:
-            from fastpt.train import build_model
-
-            net = build_model(as_planned(cfg, target), SimpleData(mcfg), torch.device("cpu"), d)
-            recompile_for_plan(net.raw, target)
-            run_steps(net, FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size), cfg, d, mem)
-            params = net.raw.num_params()
+        with (
+            fake_world(world_size) as d,
+            FakeTensorMode(allow_non_fake_inputs=True),  # a compiled AC graph hands back a real RNG state
+            kernels.tracing_only(),
+            compiling_for_plan() if compile else contextlib.nullcontext(),
+        ):
+            yield d, mem
     finally:
         gc.enable()
-    return summarize(cfg, target, world_size, seq_len, params, mem, time.perf_counter() - t0)
+
+
+def trace_steps(mem: MemoryTrace, step: Callable[[], object], model: torch.nn.Module, optimizers: list) -> None:
+    """Two calls of step() (an optimizer step) in the trace; after each, its gradients and optimizer
+    state named. Two: the second holds the optimizer state that the first creates."""
+    mem.add(list(model.parameters()) + list(model.buffers()), "parameters")
+    # FSDP keeps each parameter's gradient unsharded, in fp32, across the micro-steps that do not sync.
+    unsharded = lambda *_: mem.label(
+        (fp.unsharded_accumulated_grad for fp in fsdp_params(model)), "unsharded gradients"
+    )
+    with mem, model.register_forward_pre_hook(unsharded):
+        for _ in range(2):
+            mem.begin_step()
+            step()
+            mem.label((p.grad for p in model.parameters()), "gradients")
+            mem.label(
+                (v for opt in optimizers for state in opt.state.values() for v in state.values()), "optimizer state"
+            )
+
+
+def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
+    """Two optimizer steps of the run over fake tensors, traced, each of at most two micro-steps: a
+    third and later ones repeat the second's memory (the gradients exist, the last one syncs)."""
+    from fastpt.train import build_model, train_step
+
+    t0 = time.perf_counter()
+    mcfg = planned_model(cfg)
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    micro_steps = min(cfg.grad_accum, 2)
+    with fake_run(target, world_size, cfg.compile) as (d, mem):
+        net = build_model(as_planned(cfg, target), SimpleData(mcfg), torch.device("cpu"), d)
+        recompile_for_plan(net.raw, target)
+        loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
+        step = lambda: train_step(
+            net.model, net.optimizers, net.scaler, loader, micro_steps, net.autocast, cfg.max_grad_norm, d
+        )
+        trace_steps(mem, step, net.raw, net.optimizers)
+        params = net.raw.num_params()
+    return Plan(
+        cfg, target, world_size, seq_len, params, peak_of(mem, target, micro_steps), None, time.perf_counter() - t0
+    )
 
 
 def fsdp_params(model: torch.nn.Module) -> Iterator:
@@ -249,30 +299,7 @@ def gathered(args: tuple, kwargs: dict, out: object) -> list:
 FSDP_LABELS = {torch.ops.fsdp.split_with_sizes_copy.default: gathered}
 
 
-def run_steps(net, loader: FakeLoader, cfg: TrainConfig, d: distributed.Dist, mem: MemoryTrace) -> None:
-    """Two steps of train.train_step in the trace; after each, its gradients and optimizer state named.
-    Two: the second holds the optimizer state that the first creates. Each of at most two micro-steps:
-    a third and later ones repeat the second's memory (the gradients exist, the last one syncs)."""
-    from fastpt.train import train_step
-
-    micro_steps = min(cfg.grad_accum, 2)
-    mem.add(list(net.raw.parameters()) + list(net.raw.buffers()), "parameters")
-    # FSDP keeps each parameter's gradient unsharded, in fp32, across the micro-steps that do not sync.
-    unsharded = lambda *_: mem.label(
-        (fp.unsharded_accumulated_grad for fp in fsdp_params(net.raw)), "unsharded gradients"
-    )
-    with mem, net.raw.register_forward_pre_hook(unsharded):
-        for _ in range(2):
-            mem.begin_step()
-            train_step(net.model, net.optimizers, net.scaler, loader, micro_steps, net.autocast, cfg.max_grad_norm, d)
-            mem.label((p.grad for p in net.raw.parameters()), "gradients")
-            states = (v for opt in net.optimizers for state in opt.state.values() for v in state.values())
-            mem.label(states, "optimizer state")
-
-
-def summarize(
-    cfg: TrainConfig, target: str, world_size: int, seq_len: int, params: int, mem: MemoryTrace, seconds: float
-) -> Plan:
+def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:
     """The peak (on CUDA through the caching allocator's replay) and what was alive then."""
     if target == "cuda":
         allocator = replay(mem.lives)
@@ -281,17 +308,14 @@ def summarize(
         (peak, event), reserved = sweep(mem.lives), 0
     snap = mem.at(event)
     largest = snap.largest and (snap.largest.nbytes, snap.largest.op, snap.largest.shape)
-    where = clip_phase(snap.where, cfg.grad_accum)
     blocks = peak - sum(snap.parts.values())
-    return Plan(
-        cfg, target, world_size, seq_len, params, peak, snap.parts, blocks, largest, where, reserved, None, seconds
-    )
+    return Peak(peak, snap.parts, blocks, largest, clip_phase(snap.where, micro_steps), reserved)
 
 
-def clip_phase(where: str, grad_accum: int) -> str:
+def clip_phase(where: str, micro_steps: int) -> str:
     """A 'forward' after the last micro-step's backward is the clipping and loss reduction."""
     m = re.search(r"micro-step (\d+), forward", where)
-    if m and int(m[1]) > grad_accum:
+    if m and int(m[1]) > micro_steps:
         return where[: m.start()] + "after the backward (clipping)"
     return where
 
@@ -305,46 +329,47 @@ def gib(nbytes: int) -> str:
 
 def describe(plan: Plan) -> list[str]:
     """The plan as it prints: the run, the peak and its parts, what the card needs, the verdict."""
-    cfg, cuda = plan.cfg, plan.target == "cuda"
+    cfg, cuda, peak = plan.cfg, plan.target == "cuda", plan.peak
     kernels_used = as_planned(cfg, plan.target).kernels
     ranks = f"{plan.world_size} ranks ({cfg.parallel})" if plan.world_size > 1 else "1 GPU" if cuda else "1 process"
     lines = [
-        f"plan for {'CUDA' if cuda else 'a CPU'} | preset {cfg.preset} | params {plan.params:,} | dtype {cfg.dtype} | "
-        f"compile {cfg.compile} | AC {cfg.activation_checkpointing} | kernels {cfg.kernels}"
+        f"plan for {'CUDA' if cuda else 'a CPU run'} | preset {cfg.preset} | params {plan.params:,} | "
+        f"dtype {cfg.dtype} | compile {cfg.compile} | AC {cfg.activation_checkpointing} | kernels {cfg.kernels}"
         + (f" ({kernels_used})" if kernels_used != cfg.kernels else "")
         + f" | {cfg.micro_batch} x {plan.seq_len} x {cfg.grad_accum} accum x {ranks}",
-        f"peak {'per GPU' if cuda else 'of the CPU allocator'}: {gib(plan.peak)} "
-        f"({'torch.cuda.max_memory_allocated' if cuda else 'allocated tensors'}), at {plan.where}",
+        f"peak {'per GPU' if cuda else 'of the CPU allocator'}: {gib(peak.bytes)} "
+        f"({'torch.cuda.max_memory_allocated' if cuda else 'tensors allocated'}), at {peak.where}",
     ]
-    notes = {"activations": "kept for the backward", "transient": ""}
-    if plan.largest:
-        nbytes, op, shape = plan.largest
-        notes["transient"] = f"largest {gib(nbytes)}: {op} {list(shape)}"
-    for part, nbytes in plan.parts.items():
+    notes = {"activations": "kept for the backward"}
+    if peak.largest:
+        nbytes, op, shape = peak.largest
+        notes["transient"] = f"largest {gib(nbytes)}: {op}" + (f" {list(shape)}" if shape else "")
+    if cuda:
+        notes["allocator blocks"] = "the caching allocator's blocks beyond the requests"
+    for part, nbytes in {**peak.parts, **({"allocator blocks": peak.blocks} if cuda else {})}.items():
         lines.append(f"  {part:<23} {gib(nbytes):>10}  {notes.get(part, '')}".rstrip())
     if cuda:
         lines.append(
-            f"  {'allocator blocks':<23} {gib(plan.blocks):>10}  the caching allocator's blocks beyond the requests"
-        )
-        lines.append(
-            f"the card needs {gib(plan.card_bytes)}: {gib(plan.reserved)} reserved by the caching allocator "
+            f"the card needs {gib(plan.card_bytes)}: {gib(peak.reserved)} reserved by the caching allocator "
             f"(its segments, replayed) + {gib(CUDA_CONTEXT)} CUDA context (an estimate)"
         )
     if plan.card is not None:
-        verdict = "fits" if plan.fits() else "does NOT fit"
         spare = plan.card.total - plan.card_bytes
+        verdict = "fits" if spare >= 0 else "does NOT fit"
         lines.append(f"{verdict} {plan.card}: {gib(abs(spare))} {'to spare' if spare >= 0 else 'short'}")
     lines.append(f"planned in {plan.seconds:.1f} s")
     return lines
 
 
 def to_json(plan: Plan) -> dict:
+    """The plan as --plan-json writes it (sizes in GiB)."""
+    peak = plan.peak
     out = {
-        "peak_gib": plan.peak / GIB,
-        "parts_gib": {k: v / GIB for k, v in plan.parts.items()},
-        "largest_transient": plan.largest
-        and {"gib": plan.largest[0] / GIB, "op": plan.largest[1], "shape": list(plan.largest[2])},
-        "at": plan.where,
+        "peak_gib": peak.bytes / GIB,
+        "parts_gib": {k: v / GIB for k, v in peak.parts.items()},
+        "largest_transient": peak.largest
+        and {"gib": peak.largest[0] / GIB, "op": peak.largest[1], "shape": list(peak.largest[2])},
+        "at": peak.where,
         "micro_batch": plan.cfg.micro_batch,
         "grad_accum": plan.cfg.grad_accum,
         "seq_len": plan.seq_len,
@@ -355,8 +380,8 @@ def to_json(plan: Plan) -> dict:
     }
     if plan.target == "cuda":
         out.update(
-            allocator_blocks_gib=plan.blocks / GIB,
-            reserved_gib=plan.reserved / GIB,
+            allocator_blocks_gib=peak.blocks / GIB,
+            reserved_gib=peak.reserved / GIB,
             cuda_context_gib=CUDA_CONTEXT / GIB,
             card_gib=plan.card_bytes / GIB,
         )
@@ -377,52 +402,49 @@ def config_sequences(cfg: TrainConfig) -> int:
     return micro * cfg.grad_accum
 
 
-def split(sequences: int, most: int) -> tuple[int, int]:
-    """(micro_batch, grad_accum) for `sequences` per step with micro-batches of at most `most`: the
-    fewest micro-steps, then the smallest micro-batch that covers the sequences with them."""
-    accum = -(-sequences // most)
-    return -(-sequences // accum), accum
-
-
 def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
     """The largest micro-batch whose plan fits the card with FIT_MARGIN free, grad_accum adjusted to
     keep the config's sequences per step (or the nearest above); the plan at it, and what it chose.
-    The card's need is about linear in the micro-batch: two plans place the first guess."""
+    The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first guess,
+    then the number of micro-steps moves by one until the fit is tight."""
     if gpu is None:
         raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
-    sequences, limit = config_sequences(cfg), gpu.total * (1 - FIT_MARGIN)
+    sequences = config_sequences(cfg)
+    plans: dict[int, Plan] = {}
 
-    def plan_at(micro: int) -> Plan:
-        micro, accum = split(sequences, micro)
-        p = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
-        p.card = gpu
-        return p
+    def plan_at(accum: int) -> Plan:  # the plan with `accum` micro-steps
+        if accum not in plans:
+            micro = -(-sequences // accum)
+            plans[accum] = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
+            plans[accum].card = gpu
+        return plans[accum]
 
-    one = plan_at(1)
+    one = plan_at(sequences)
     if not one.fits(FIT_MARGIN):
         raise ConfigError(
             f"'micro_batch' = 'auto': even micro-batch 1 does not fit {gpu} ({gib(one.card_bytes)} planned, "
-            f"peak {gib(one.peak)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
+            f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
         )
-    best, most = one, sequences
-    if sequences > 1:
-        probe = plan_at(min(sequences, 4))
-        per_sequence = max(1, (probe.card_bytes - one.card_bytes) / (probe.cfg.micro_batch - 1))
-        most = max(1, min(sequences, 1 + int((limit - one.card_bytes) / per_sequence)))
-        best = probe if probe.fits(FIT_MARGIN) else one
-    while most > best.cfg.micro_batch:
-        p = plan_at(most)
-        if p.fits(FIT_MARGIN):
-            best = p
-            break
-        most = split(sequences, most)[0] - 1
-    micro, accum = best.cfg.micro_batch, best.cfg.grad_accum
+    accum = guess_accum(one, plan_at(-(-sequences // min(sequences, 4))), sequences, gpu.total * (1 - FIT_MARGIN))
+    while accum < sequences and not plan_at(accum).fits(FIT_MARGIN):
+        accum += 1
+    while accum > 1 and plan_at(accum).fits(FIT_MARGIN) and plan_at(accum - 1).fits(FIT_MARGIN):
+        accum -= 1
+    best = plan_at(accum)
+    micro = best.cfg.micro_batch
     exact = "" if micro * accum == sequences else f", the nearest above the config's {sequences}"
     why = (
         f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{exact}; the largest that "
         f"fits {gpu} with {FIT_MARGIN:.0%} free ({gib(best.card_bytes)} planned)"
     )
     return best, why
+
+
+def guess_accum(one: Plan, probe: Plan, sequences: int, limit: float) -> int:
+    """The fewest micro-steps whose micro-batch the line through two plans puts under the limit."""
+    per_sequence = max(1.0, (probe.card_bytes - one.card_bytes) / max(1, probe.cfg.micro_batch - 1))
+    most = max(1, min(sequences, 1 + int((limit - one.card_bytes) / per_sequence)))
+    return -(-sequences // most)
 
 
 # ---- the command
