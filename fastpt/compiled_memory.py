@@ -139,7 +139,9 @@ class LoweredGraph(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, lowering: Lowering):
         super().__init__(gm)
         self.lowering = lowering
-        self.pool: list[Life] = []  # buffers this graph allocated, to hand on once they are freed
+        self.pool: dict[
+            tuple, list[Life]
+        ] = {}  # buffers this graph allocated, by size and dtype, to hand on once freed
 
     def run_node(self, n: torch.fx.Node):
         trace = active_trace()
@@ -166,14 +168,14 @@ class LoweredGraph(torch.fx.Interpreter):
         if lives and lives[0].nbytes == life.nbytes:
             lives[0].died = min(lives[0].died, life.born)
         else:
-            key = (life.nbytes, life.dtype)
-            free = [old for old in self.pool if old.died <= life.born and (old.nbytes, old.dtype) == key]
+            same = self.pool.get((life.nbytes, life.dtype), [])
+            free = [old for old in same if old.died <= life.born]
             if free:
                 old = max(free, key=lambda old: old.died)  # the most recently freed, as Inductor's pool pops
-                self.pool.remove(old)
+                same.remove(old)
                 old.died = life.born
         if n not in self.output_nodes:
-            self.pool.append(life)
+            self.pool.setdefault((life.nbytes, life.dtype), []).append(life)
 
     @functools.cached_property
     def output_nodes(self) -> set[torch.fx.Node]:

@@ -32,7 +32,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -201,6 +201,7 @@ class Plan:
     peak: Peak
     card: Card | None = None
     seconds: float = 0.0
+    trace: MemoryTrace | None = field(default=None, repr=False)  # every storage's life, for a closer look
 
     @property
     def card_bytes(self) -> int:
@@ -279,9 +280,8 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
         )
         trace_steps(mem, step, net.raw, net.optimizers)
         params = net.raw.num_params()
-    return Plan(
-        cfg, target, world_size, seq_len, params, peak_of(mem, target, micro_steps), None, time.perf_counter() - t0
-    )
+    peak = peak_of(mem, target, micro_steps)
+    return Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
 
 
 def fsdp_params(model: torch.nn.Module) -> Iterator:
@@ -478,6 +478,10 @@ def planned_config(cli: dict, config_file: str | None) -> tuple[TrainConfig, str
 def main(cli: dict, config_file: str | None) -> int:
     """python -m fastpt.train --plan ...: print the plan (and --plan-json it); trains nothing."""
     cfg, target = planned_config(cli, config_file)
+    if cfg.plan_json and not Path(cfg.plan_json).parent.is_dir():  # said now, not after planning
+        raise ConfigError(
+            f"'plan_json' = {cfg.plan_json!r}: no folder {str(Path(cfg.plan_json).parent)!r} to write it in"
+        )
     gpu = card(cfg.plan_gpu) if target == "cuda" else machine_card()
     why = ""
     if cfg.micro_batch == AUTO:
