@@ -202,7 +202,7 @@ class MemoryTrace(TorchDispatchMode):
         for t, kind in self.labels[func](args, kwargs or {}, out) if func in self.labels else ():
             self.label([t], kind)
         if (workspace := self.workspaces.get(func)) and (nbytes := self.round_to(workspace(args, out))):
-            self.lives.append(Life(nbytes, self.event, f"{name} (workspace)", (), "workspace", died=self.event + 1))
+            self.lives.append(Life(nbytes, self.event, f"{name} (scratch)", (), "workspace", died=self.event + 1))
             self.event += 2
         return out
 
