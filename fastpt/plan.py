@@ -271,9 +271,12 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
     mcfg = planned_model(cfg)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     micro_steps = min(cfg.grad_accum, 2)
-    with fake_run(target, world_size, cfg.compile) as (d, mem):
+    ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
+    with fake_run(target, 1 if ddp else world_size, cfg.compile) as (d, mem):
         net = build_model(as_planned(cfg, target), SimpleData(mcfg), torch.device("cpu"), d)
         recompile_for_plan(net.raw, target)
+        if ddp:
+            mem.lives += ddp_buckets(net.raw, mem.round_to)
         loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
         step = lambda: train_step(
             net.model, net.optimizers, net.scaler, loader, micro_steps, net.autocast, cfg.max_grad_norm, d
@@ -282,6 +285,23 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
         params = net.raw.num_params()
     peak = peak_of(mem, target, micro_steps)
     return Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
+
+
+DDP_BUCKET_BYTES = (2**20, 25 * 2**20)  # DDP's first bucket, then bucket_cap_mb's default
+
+
+def ddp_buckets(model: torch.nn.Module, round_to: Callable[[int], int]) -> list[Life]:
+    """The gradient buckets a DDP rank holds for the whole run (the reducer allocates them when DDP is
+    built: each gradient is copied into its bucket for the all-reduce), the parameters in reverse
+    order, as DDP fills them."""
+    buckets, size = [], 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        size += p.numel() * p.element_size()
+        if size >= DDP_BUCKET_BYTES[bool(buckets)]:
+            buckets.append(size)
+            size = 0
+    buckets += [size] if size else []
+    return [Life(round_to(n), 0, "DDP gradient bucket", (n,), "before", kind="DDP gradient buckets") for n in buckets]
 
 
 def fsdp_params(model: torch.nn.Module) -> Iterator:

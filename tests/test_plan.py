@@ -152,6 +152,15 @@ def test_fsdp_plans_rank_zero_of_n_in_one_process():
     assert not torch.distributed.is_initialized()  # the fake process group is gone
 
 
+def test_ddp_rank_holds_its_gradient_buckets():
+    """--parallel ddp (the default) over 2 ranks: one process's step plus DDP's buckets, one copy of
+    every gradient."""
+    one, two = plan_of(*SMALL), plan_of(*SMALL, "--plan-world-size", "2")
+    buckets = two.peak.parts["DDP gradient buckets"]
+    assert buckets == pytest.approx(4 * one.params, rel=0.01)  # fp32 gradients of every parameter
+    assert two.peak.bytes >= one.peak.bytes + buckets - 2**20
+
+
 # ---- the caching allocator's replay
 
 
