@@ -46,7 +46,7 @@ from bench.common import (
     sync,
     write_json,
 )
-from fastpt import float8, plan
+from fastpt import cuda_memory, float8, plan
 from fastpt.compiled_memory import recompile_for_plan
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig, model_config
 from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
@@ -342,7 +342,7 @@ def markdown(rows: list[dict], info: dict) -> str:
     if info["matmul_tflops"]:
         head += f" · bf16 matmul ceiling {info['matmul_tflops']:.0f} TFLOP/s"
     if info.get("cuda_context_gib") is not None:
-        head += f" · CUDA context {info['cuda_context_gib']:.2f} GiB (planned {plan.CUDA_CONTEXT / 2**30:.2f})"
+        head += f" · CUDA context {info['cuda_context_gib']:.2f} GiB (planned {cuda_memory.CUDA_CONTEXT / 2**30:.2f})"
     header = [
         "mode",
         "tok/s",

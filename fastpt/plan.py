@@ -10,16 +10,13 @@ a fake process group lets this one process play rank 0 of N.
 A fake CUDA device does not run on a CPU build of torch, so a plan for CUDA runs over fake CPU
 tensors with a GPU run's choices and corrects for what differs, explicitly:
 - the kernels: --kernels auto means Triton there (their registered fakes answer for them), and the
-  scratch that a kernel allocates inside (SCRATCH) is added while its op runs;
+  scratch that a kernel allocates inside (cuda_memory.scratch_table) is added while its op runs;
 - attention: the CPU's flash kernel saves what CUDA's does (q, k, v, out, an fp32 logsumexp); the
   CUDA flash backward's accumulators are added as its scratch;
-- sizes: the CUDA caching allocator's rounding and blocks (memory.replay);
+- sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspace;
 - autocast: CPU and CUDA cast the ops of fastpt's forward alike (matmuls and attention to the
   autocast dtype on both; the norms and the loss upcast their inputs themselves), so nothing to do.
-Compiled runs compile with Inductor's own decompositions, joint-graph passes and min-cut
-partitioner (torch._inductor.compile_fx with an inner compiler that runs the partitioned graphs
-op by op): the activations kept are those Inductor keeps; its fusion of pointwise ops inside a
-graph is not modelled, so a compiled plan may count transients that Inductor never allocates.
+Compiled runs: compiled_memory (Inductor's partitioner, its lowering's memory rules).
 """
 
 from __future__ import annotations
@@ -43,85 +40,14 @@ from torch.distributed.fsdp import FSDPModule
 from fastpt import distributed, kernels
 from fastpt.compiled_memory import compiling_for_plan, recompile_for_plan
 from fastpt.config import AUTO, CPU_PROFILE, PRESET_BATCH, ModelConfig, TrainConfig, load_toml, model_config, resolve
+from fastpt.cuda_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, GIB, Card, card, machine_card, scratch_table
 from fastpt.data import Batch, common_vocab, data_sources, doc_token
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_atomic
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
-from fastpt.kernels import scratch
 from fastpt.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
 
-GIB = 2**30
-MIB = 2**20
-# The card's whole memory, as nvidia-smi's memory.total reports it (MiB).
-GPUS = {
-    "h100-80": ("H100 80GB", 81559),
-    "h200": ("H200", 143771),
-    "a100-40": ("A100 40GB", 40960),
-    "a100-80": ("A100 80GB", 81920),
-    "l4": ("L4", 23034),
-    "4090": ("RTX 4090", 24564),
-}
-# What a CUDA process holds outside torch's allocator: the CUDA context with lazily loaded kernels,
-# the cuBLAS / cuDNN handles and their libraries' modules: 0.3-0.6 GiB on recent drivers. An
-# estimate until bench/gpu.sh measures it (nvidia-smi's used memory less torch's reserved).
-CUDA_CONTEXT = GIB // 2
-CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper, allocated through torch
 FIT_MARGIN = 0.05  # --micro-batch auto leaves this fraction of the card free
-
-
-@dataclass
-class Card:
-    name: str
-    total: int  # bytes
-
-    def __str__(self) -> str:
-        return (
-            f"{self.name} of {self.total / GIB:.1f} GiB"
-            if self.name == "a card"
-            else f"{self.name} ({self.total / GIB:.1f} GiB)"
-        )
-
-
-def card(spec: str) -> Card | None:
-    """--plan-gpu: a known card, 'NGiB' (or a bare number of GiB), or '' for this machine's GPU
-    (None without one)."""
-    if not spec:
-        if not torch.cuda.is_available():
-            return None
-        return Card(torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1])
-    if spec.lower() in GPUS:
-        name, mib = GPUS[spec.lower()]
-        return Card(name, mib * MIB)
-    if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:gib|g|gb)?", spec.strip().lower()):
-        return Card("a card", int(float(m[1]) * GIB))
-    raise ConfigError(f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB")
-
-
-# ---- what a CUDA kernel allocates inside, beyond its outputs
-
-
-def flash_backward_bytes(args: tuple, out: object) -> int:
-    """CUDA flash attention's backward: an fp32 dq accumulator (rows to 128, head dim to 32) and
-    softmax statistics; with GQA, dk and dv at the full head count before their sum over groups."""
-    q, k = args[1], args[2]
-    b, h, t, hd = q.shape
-    rows, width = -(-t // 128) * 128, -(-hd // 32) * 32
-    gqa = 2 * b * t * h * hd * q.dtype.itemsize if k.shape[1] != h else 0
-    return b * rows * h * width * 4 + b * h * rows * 4 + gqa
-
-
-def linear_cross_entropy_bytes(args: tuple, out: object) -> int:
-    input, weight, compute_dtype = args[0], args[1], args[6]
-    return scratch.linear_cross_entropy_bytes(input, weight, compute_dtype)
-
-
-def scratch_table() -> dict:
-    fastpt_ops = torch.ops.fastpt
-    return {
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: flash_backward_bytes,
-        fastpt_ops.linear_cross_entropy.default: linear_cross_entropy_bytes,
-        fastpt_ops.linear_cross_entropy_backward.default: linear_cross_entropy_bytes,
-    }
 
 
 # ---- the run, built over fake tensors
@@ -475,11 +401,6 @@ def requested(cli: dict, config_file: str | None) -> bool:
     if "plan" in cli:
         return bool(cli["plan"])
     return bool(config_file and load_toml(config_file).get("plan"))
-
-
-def machine_card() -> Card:
-    """This machine's memory, the card of a plan for a CPU run."""
-    return Card("this machine's memory", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def planned_config(cli: dict, config_file: str | None) -> tuple[TrainConfig, str]:

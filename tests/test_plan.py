@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import REPO, read_metrics, run_train
-from fastpt import plan
+from fastpt import cuda_memory, plan
 from fastpt.config import parse_args, resolve
 from fastpt.errors import ConfigError
 from fastpt.memory import ALIVE, CachingAllocator, Life, MemoryTrace, replay, sweep
@@ -131,7 +131,9 @@ def test_cuda_plan_adds_what_a_gpu_holds_and_a_cpu_plan_does_not():
     assert "fastpt.linear_cross_entropy.default (scratch)" in scratch
     assert not [life for life in cpu.trace.lives if life.phase == "workspace"]
     assert all(life.nbytes % 512 == 0 for life in gpu.trace.lives)
-    assert gpu.peak.parts["cuBLAS workspace"] == plan.CUBLAS_WORKSPACE and "cuBLAS workspace" not in cpu.peak.parts
+    assert (
+        gpu.peak.parts["cuBLAS workspace"] == cuda_memory.CUBLAS_WORKSPACE and "cuBLAS workspace" not in cpu.peak.parts
+    )
     assert gpu.peak.reserved >= gpu.peak.bytes == sum(gpu.peak.parts.values()) + gpu.peak.blocks
     assert cpu.peak.reserved == 0 and cpu.peak.bytes == sum(cpu.peak.parts.values())
 
@@ -205,7 +207,7 @@ def test_micro_batch_auto_picks_the_largest_that_fits():
     cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1"])
     cfg, target = plan.planned_config(cli, config_file)
     assert plan.config_sequences(cfg) == 16
-    chosen, why = plan.fit_micro_batch(cfg, target, 1, plan.card(card_between(at8, at16)))
+    chosen, why = plan.fit_micro_batch(cfg, target, 1, cuda_memory.card(card_between(at8, at16)))
     assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (8, 2)
     assert chosen.peak.bytes == at8.peak.bytes
     assert "micro-batch auto: 8 x 2 accum = 16 sequences/step; the largest that fits a card of" in why
@@ -262,7 +264,7 @@ def test_plan_keys_in_toml(tmp_path):
     assert plan.requested(cli, config_file)
     cfg, target = plan.planned_config(cli, config_file)
     assert (cfg.micro_batch, cfg.plan_gpu, cfg.plan_world_size, target) == ("auto", "24GiB", 2, "cuda")
-    assert plan.card(cfg.plan_gpu).total == 24 * 2**30
+    assert cuda_memory.card(cfg.plan_gpu).total == 24 * 2**30
 
 
 @pytest.mark.parametrize(
