@@ -26,11 +26,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 ALIVE = math.inf
@@ -60,6 +59,13 @@ class Life:
 
     def alive_at(self, event: int) -> bool:
         return self.born <= event < self.died
+
+
+def storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages under a tensor: its own, or those of the tensors a wrapper subclass holds."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t.untyped_storage()]
+    return [st for name in t.__tensor_flatten__()[0] for st in storages(getattr(t, name))]
 
 
 def cuda_rounded(nbytes: int) -> int:
@@ -154,7 +160,7 @@ class MemoryTrace(TorchDispatchMode):
     def _lives_of(self, t: torch.Tensor, phase: str, op: str, create: bool) -> list[Life]:
         t = t.to_local() if isinstance(t, DTensor) else t
         lives = []
-        for st in get_untyped_storages(t):
+        for st in storages(t):
             life = self.by_storage.get(st)
             if life is None and create:
                 life = self._birth(st, tuple(t.shape), t.dtype, phase, op)
