@@ -214,8 +214,8 @@ def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 def planned_peak(setup: Setup, mode: Mode) -> float | None:
     """GiB: what fastpt.plan predicts torch.cuda.max_memory_allocated to be for this mode's step on a
-    GPU, the same build traced over fake tensors (None for CUDA graphs and float8, which it does not model)."""
-    if mode.float8 or mode.compile_mode in CUDA_GRAPH_MODES:
+    GPU, the same build traced over fake tensors (None for CUDA graphs, whose pools it does not model)."""
+    if mode.compile_mode in CUDA_GRAPH_MODES:
         return None
     with plan.fake_run("cuda", 1, mode.compile) as (_, mem):
         run = build(dataclasses.replace(setup, device="cpu"), mode, "triton" if mode.kernels else "torch")

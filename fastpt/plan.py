@@ -411,8 +411,6 @@ def planned_config(cli: dict, config_file: str | None) -> tuple[TrainConfig, str
         from fastpt.train import check_runtime
 
         check_runtime(cfg)  # a CPU run runs here: what this machine refuses, the plan refuses
-    if cfg.float8:
-        raise ConfigError("--plan does not model --float8 (torchao's float8 tensors have no fake CPU kernels)")
     return cfg, target
 
 
