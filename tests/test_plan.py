@@ -140,18 +140,48 @@ def test_cuda_plan_adds_what_a_gpu_holds_and_a_cpu_plan_does_not():
 
 def test_fsdp_plans_rank_zero_of_n_in_one_process():
     """--parallel fsdp --plan-world-size 4: parameters and optimizer state per rank a quarter of one
-    GPU's, the blocks' parameters all-gathered while they run, and with accumulation the unsharded
-    fp32 gradients FSDP keeps across the micro-steps that do not sync."""
-    one = plan_of(*SMALL, "--grad-accum", "2", "--dim", "256", "--n-heads", "4")
-    four = plan_of(
-        *SMALL, "--grad-accum", "2", "--dim", "256", "--n-heads", "4", "--parallel", "fsdp", "--plan-world-size", "4"
-    )
+    GPU's; the blocks' parameters all-gathered while they run and freed after (FSDP resizes their
+    storages), so never all at once; with accumulation the unsharded fp32 gradients FSDP keeps across
+    the micro-steps that do not sync; and none of DTensor's global-shape shape inference counted."""
+    flags = (*SMALL, "--grad-accum", "2", "--dim", "256", "--n-heads", "4", "--n-layers", "6")
+    one, four = plan_of(*flags), plan_of(*flags, "--parallel", "fsdp", "--plan-world-size", "4")
     for part in ("parameters", "optimizer state"):
         assert four.peak.parts[part] == pytest.approx(one.peak.parts[part] / 4, rel=0.05), part
-    assert four.peak.parts["all-gathered parameters"] > 0
-    assert four.peak.parts["unsharded gradients"] > 0
+    assert 0 < four.peak.parts["all-gathered parameters"] < 0.5 * 2 * one.params  # under half the bf16 model
+    assert four.peak.parts["unsharded gradients"] == pytest.approx(4 * one.params, rel=0.05)
+    step_allocations = [life.nbytes for life in four.trace.lives if life.phase == "optimizer"]
+    assert max(step_allocations) <= one.peak.parts["optimizer state"] / 4 / 8  # shards' state, not global shapes
     assert four.params == one.params  # the model's, not a shard's
     assert not torch.distributed.is_initialized()  # the fake process group is gone
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_activation_checkpointing_keeps_less(compiled):
+    """--activation-checkpointing full: the blocks' activations recomputed in the backward (compiled:
+    through the partitioner's recompute, whose RNG-state ops the trace passes through), so far fewer
+    kept at the backward's start than without."""
+    flags = (*SMALL, "--dim", "256", "--n-heads", "4", "--n-layers", "4") + (("--compile",) if compiled else ())
+    kept = []
+    for ac in ("none", "full"):
+        p = plan_of(*flags, "--activation-checkpointing", ac)
+        start = p.trace.backward_starts[-1]
+        kept.append(sum(life.nbytes for life in p.trace.lives if life.alive_at(start) and p.trace.kept(life)))
+    assert kept[1] < 0.5 * kept[0]
+
+
+def test_compiled_fsdp_plans_every_block_compiled():
+    """Under FSDP each block compiles on its own: with one planning backend for all of them, ten
+    blocks share one graph (with a backend per block torch.compile stops at its recompile limit, 8,
+    and the rest run eager, where silu is one op)."""
+    p = plan_of(*SMALL, "--n-layers", "10", "--compile", "--parallel", "fsdp", "--plan-world-size", "2")
+    assert not [life for life in p.trace.lives if life.op == "aten.silu.default"]
+
+
+def test_plan_without_data_takes_the_default_corpus_vocab():
+    """tiny takes its vocab from the data; without --data, that of the default corpus a run would
+    prepare (4096), which the plan does not prepare."""
+    p = plan_of("--preset", "tiny")
+    assert p.params == 4096 * 128 + plan_of("--preset", "tiny", "--vocab-size", "1").params - 128
 
 
 def test_ddp_rank_holds_its_gradient_buckets():
@@ -161,6 +191,26 @@ def test_ddp_rank_holds_its_gradient_buckets():
     buckets = two.peak.parts["DDP gradient buckets"]
     assert buckets == pytest.approx(4 * one.params, rel=0.01)  # fp32 gradients of every parameter
     assert two.peak.bytes >= one.peak.bytes + buckets - 2**20
+
+
+def test_lowering_inlines_and_overwrites_as_inductor_does():
+    """Pointwise values read only by pointwise ops and reductions live inside their readers' kernels;
+    a value a matmul reads, or the graph returns, is stored; on a CPU a reused exp is stored too
+    (Inductor's heavy-op rule), on CUDA inlined; a kernel's output goes over a same-sized input that
+    dies there."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastpt.compiled_memory import Lowering
+
+    def step(x, w):
+        e = (x * 2).exp()
+        y = torch.mm(e.sum(0)[None] + (e + 1).amax(0)[None], w)
+        return y, (x - 1).relu()
+
+    gm = make_fx(step)(torch.randn(8, 8), torch.randn(8, 8))
+    fused = {t: {n.name for n in Lowering(gm, t, backward=False).fused} for t in ("cpu", "cuda")}
+    assert fused == {"cpu": {"mul", "add", "sub"}, "cuda": {"mul", "exp", "add", "sub"}}
+    assert {k.name: v.name for k, v in Lowering(gm, "cuda", backward=False).inplace.items()} == {"add_1": "amax"}
 
 
 # ---- the caching allocator's replay
