@@ -7,7 +7,8 @@ backward, optimizer) and a weak reference whose callback records when the storag
 is categorized while the step runs; after it, `at(event)` sorts the storages alive at any moment
 into parameters, gradients, optimizer state, activations kept for the backward (made in a forward
 and still alive when its backward starts) and transients. Over fake tensors it measures a step that
-never allocates a byte.
+never allocates a byte. It also follows what no mode sees: storages resized in place (FSDP frees
+and refills its unsharded parameters so), and leaves out DTensor's shape inference.
 
 `CachingAllocator` replays those lives through the CUDA caching allocator's block rules (sizes
 rounded to 512 B; requests up to 1 MiB from 2 MiB segments, up to 10 MiB from 20 MiB segments,
@@ -45,13 +46,13 @@ PARTS = ("parameters", "gradients", "optimizer state", "activations", "transient
 
 @dataclass(eq=False, slots=True)
 class Life:
-    """One storage (or one op's workspace) from birth to death, in trace events."""
+    """One storage (or one op's scratch) from birth to death, in trace events."""
 
     nbytes: int
     born: int
     op: str
     shape: tuple[int, ...]
-    phase: str  # before (existed when tracing began), forward, backward, optimizer, workspace
+    phase: str  # before (existed when tracing began), forward, backward, optimizer, scratch
     dtype: torch.dtype | None = None
     died: float = ALIVE
     kind: str = ""  # parameters, gradients, optimizer state: labelled after the step
@@ -75,19 +76,17 @@ def cuda_rounded(nbytes: int) -> int:
 
 # Ops whose kernels allocate scratch memory inside, which their fake implementation cannot show:
 # a function of (args, outputs) -> bytes held while the op runs, on top of its outputs.
-Workspace = Callable[[tuple, object], int]
+Scratch = Callable[[tuple, object], int]
 
 
 class MemoryTrace(TorchDispatchMode):
     """Records every storage the ops inside it create (see the module docstring). `round_to`
-    maps a request to the bytes the allocator holds for it; `workspaces` maps ops to their scratch;
+    maps a request to the bytes the allocator holds for it; `scratch` maps ops to a Scratch;
     `labels` maps ops to what they tell of their tensors: (args, kwargs, out) -> [(tensor, kind)]."""
 
-    def __init__(
-        self, round_to: Callable[[int], int] = int, workspaces: dict | None = None, labels: dict | None = None
-    ):
+    def __init__(self, round_to: Callable[[int], int] = int, scratch: dict | None = None, labels: dict | None = None):
         super().__init__()
-        self.round_to, self.workspaces, self.labels = round_to, workspaces or {}, labels or {}
+        self.round_to, self.scratch, self.labels = round_to, scratch or {}, labels or {}
         self.lives: list[Life] = []
         self.by_storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.event = 0
@@ -207,8 +206,8 @@ class MemoryTrace(TorchDispatchMode):
                 self._lives_of(t, phase, name, create=True)
         for t, kind in self.labels[func](args, kwargs or {}, out) if func in self.labels else ():
             self.label([t], kind)
-        if (workspace := self.workspaces.get(func)) and (nbytes := self.round_to(workspace(args, out))):
-            self.lives.append(Life(nbytes, self.event, f"{name} (scratch)", (), "workspace", died=self.event + 1))
+        if (scratch := self.scratch.get(func)) and (nbytes := self.round_to(scratch(args, out))):
+            self.lives.append(Life(nbytes, self.event, f"{name} (scratch)", (), "scratch", died=self.event + 1))
             self.event += 2
         return out
 
@@ -239,16 +238,18 @@ class MemoryTrace(TorchDispatchMode):
         return Snapshot(event, parts, largest, self.where(event))
 
     def where(self, event: int) -> str:
-        """'step 2, micro-step 3, backward': the moment of `event`."""
+        """'step 2, micro-step 3, backward' (or 'step 2, optimizer'): the moment of `event`."""
         step = bisect.bisect_right(self.steps, event)
+        phase = self._phase_at(event)
+        if phase == "optimizer":
+            return f"step {step}, optimizer"
         in_step = [s for s in self.backward_starts if s <= event and (step == 0 or s >= self.steps[step - 1])]
-        life = next((life for life in self.lives if life.born == event), None)
-        phase = life.phase if life and life.phase not in ("before", "workspace") else self._phase_at(event)
         return f"step {step}, micro-step {len(in_step) + (phase == 'forward')}, {phase}"
 
     def _phase_at(self, event: int) -> str:
-        phases = [life.phase for life in self.lives if life.born <= event]
-        return next((p for p in reversed(phases) if p in ("forward", "backward", "optimizer")), "forward")
+        """The phase of the last storage made by then (scratch and the tensors from before aside)."""
+        phases = (life.phase for life in reversed(self.lives) if life.born <= event)
+        return next((p for p in phases if p in ("forward", "backward", "optimizer")), "forward")
 
 
 class _Paused:

@@ -126,10 +126,10 @@ def test_cuda_plan_adds_what_a_gpu_holds_and_a_cpu_plan_does_not():
     the cuBLAS workspace, sizes rounded to the allocator's 512 B, a reserve from the replayed
     segments; for a CPU run none of those."""
     gpu, cpu = plan_of(*SMALL), plan_of(*SMALL, "--device", "cpu", "--dtype", "bf16")
-    scratch = {life.op for life in gpu.trace.lives if life.phase == "workspace"}
+    scratch = {life.op for life in gpu.trace.lives if life.phase == "scratch"}
     assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default (scratch)" in scratch
     assert "fastpt.linear_cross_entropy.default (scratch)" in scratch
-    assert not [life for life in cpu.trace.lives if life.phase == "workspace"]
+    assert not [life for life in cpu.trace.lives if life.phase == "scratch"]
     assert all(life.nbytes % 512 == 0 for life in gpu.trace.lives)
     assert (
         gpu.peak.parts["cuBLAS workspace"] == cuda_memory.CUBLAS_WORKSPACE and "cuBLAS workspace" not in cpu.peak.parts
