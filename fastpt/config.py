@@ -233,7 +233,7 @@ class TrainConfig:
     # optimisation: the seed's values
     max_steps: int = setting(10000, "optimizer steps", domain=POSITIVE)
     micro_batch: int | str = setting(
-        16, "sequences per forward/backward, the preset's by default; auto: the most that fit", domain=POSITIVE
+        16, "sequences per forward/backward, the preset's by default; auto: the most that fit the GPU", domain=POSITIVE
     )
     grad_accum: int = setting(4, "micro-batches per optimizer step, the preset's by default", domain=POSITIVE)
     lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
@@ -314,7 +314,7 @@ class TrainConfig:
     plan: bool = setting(False, "print the run's planned memory per GPU (its step over fake tensors) and exit")
     plan_json: str = setting("", "with --plan: also write the plan here as JSON")
     plan_gpu: str = setting(
-        "", "the card to fit: a name such as h100-80, h200, l4 (an unknown one lists them) or NGiB; '' = this machine's"
+        "", "the card to plan for: h100-80, h200, l4, ... (an unknown name lists them) or NGiB; '' = this machine's GPU"
     )
     plan_world_size: int = setting(
         1, "with --plan: GPUs to plan for (the per-rank peak under --parallel)", domain=POSITIVE
