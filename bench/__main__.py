@@ -1,6 +1,7 @@
 """python -m bench [train-step options] | python -m bench COMMAND [its options], COMMAND one of
 kernels (kernel table), aot (the sm_90 compile table), prepare (fastpt.prepare vs raw encode),
-soak (a long run watched for leaks), race (time to the seed recipe's loss per option)."""
+soak (a long run watched for leaks), race (time to the seed recipe's loss per option), plan (fastpt.plan
+against the CPU allocator, and its speed)."""
 
 import importlib
 import sys
@@ -11,6 +12,7 @@ COMMANDS = {
     "prepare": "bench.prepare_bench",
     "soak": "bench.soak",
     "race": "bench.race",
+    "plan": "bench.plan_check",
 }
 
 

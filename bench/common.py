@@ -100,6 +100,16 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
+def cuda_context_gib(device: torch.device) -> float | None:
+    """What this CUDA process holds outside torch's allocator after a matmul (context, kernels,
+    cuBLAS): the card's used memory less torch's reserve. fastpt.plan assumes plan.CUDA_CONTEXT."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free - torch.cuda.memory_reserved(device)) / 2**30
+
+
 def kernel_rows_note(device: torch.device, rows: str) -> str:
     """What the `rows` of a table that ran fastpt's kernels ran: said on a CPU, where it is not them."""
     if device.type == "cuda":

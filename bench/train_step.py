@@ -34,8 +34,20 @@ import numpy as np
 import torch
 
 from bench import baseline
-from bench.common import REPO, env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, rss_gib, sync, write_json
-from fastpt import float8
+from bench.common import (
+    REPO,
+    cuda_context_gib,
+    env_info,
+    fmt,
+    kernel_rows_note,
+    markdown_table,
+    matmul_tflops,
+    rss_gib,
+    sync,
+    write_json,
+)
+from fastpt import cuda_memory, float8, plan
+from fastpt.compiled_memory import recompile_for_plan
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig
 from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
 from fastpt.distributed import Dist, parallelize
@@ -126,6 +138,7 @@ class Setup:
     seed: int = 1337
     lr: float = TRAIN.lr
     threads: int = 0  # CPU threads; 0 = torch's default
+    plan: bool = True  # also plan the mode's GPU peak over fake tensors (fastpt.plan)
 
 
 def unavailable(mode: Mode, setup: Setup) -> str | None:
@@ -150,13 +163,16 @@ class Run:
     params: int
     flops_per_token: float
     tokens_per_step: int
+    model: torch.nn.Module  # the module trained (before compiling): its parameters
+    optimizer: torch.optim.Optimizer
 
 
-def build(setup: Setup, mode: Mode) -> Run:
-    """A fresh model (same seed, so the same weights in every mode), its optimizer and loader."""
+def build(setup: Setup, mode: Mode, backend: str | None = None) -> Run:
+    """A fresh model (same seed, so the same weights in every mode), its optimizer and loader; the
+    kernels' backend follows the device unless given."""
     device = torch.device(setup.device)
     shards = find_shards(setup.data_dir, "train")
-    backend = ("triton" if device.type == "cuda" else "auto") if mode.kernels else "torch"
+    backend = backend or (("triton" if device.type == "cuda" else "auto") if mode.kernels else "torch")
     cfg = model_config(
         TrainConfig(preset=setup.preset, seq_len=setup.seq_len), data_vocab(Path(setup.data_dir), shards, False)
     )
@@ -167,10 +183,10 @@ def build(setup: Setup, mode: Mode) -> Run:
     if mode.impl == "baseline":
         model = Baseline(baseline.GPTConfig.like(cfg))
         model.load_llama_state(fastpt_model.state_dict())
-        model.to(device)
+        model = on_device(model, device)
         optimizer = model.configure_optimizers(TRAIN.weight_decay, setup.lr, betas)
     else:
-        model = fastpt_model.to(device)
+        model = on_device(fastpt_model, device)
         if mode.float8:
             float8.convert(model)
         optimizer = build_optimizer(model, TRAIN.weight_decay, "ndim", setup.lr, betas, TRAIN.eps)  # = nanoGPT groups
@@ -187,7 +203,30 @@ def build(setup: Setup, mode: Mode) -> Run:
         fastpt_model.num_params(),
         fastpt_model.flops_per_token(setup.seq_len),
         setup.micro_batch * setup.seq_len * setup.grad_accum,
+        model,
+        optimizer,
     )
+
+
+def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The module moved to device (in place); one built there already is left as it is (a plan's
+    fake modules cannot move)."""
+    return module if next(module.parameters()).device == device else module.to(device)
+
+
+def planned_peak(setup: Setup, mode: Mode) -> float | None:
+    """GiB: what fastpt.plan predicts torch.cuda.max_memory_allocated to be for this mode's step on a
+    GPU, the same build traced over fake tensors (None for CUDA graphs, whose pools it does not model)."""
+    if mode.compile_mode in CUDA_GRAPH_MODES:
+        return None
+    with plan.fake_run("cuda", 1, mode.compile) as (_, mem):
+        run = build(dataclasses.replace(setup, device="cpu"), mode, "triton" if mode.kernels else "torch")
+        try:
+            recompile_for_plan(run.model, "cuda")
+            plan.trace_steps(mem, run.step, run.model, [run.optimizer])
+        finally:
+            run.loader.close()
+    return plan.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30
 
 
 def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
@@ -226,6 +265,7 @@ def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
         "flops_per_token": run.flops_per_token,
         "tokens_per_step": run.tokens_per_step,
         "cpu_threads": torch.get_num_threads(),
+        "planned_gib": planned_peak(setup, mode) if setup.plan else None,  # after the timing: CPU work
     }
 
 
@@ -303,6 +343,8 @@ def markdown(rows: list[dict], info: dict) -> str:
     )
     if info["matmul_tflops"]:
         head += f" · bf16 matmul ceiling {info['matmul_tflops']:.0f} TFLOP/s"
+    if info.get("cuda_context_gib") is not None:
+        head += f" · CUDA context {info['cuda_context_gib']:.2f} GiB (planned {cuda_memory.CUDA_CONTEXT / 2**30:.2f})"
     header = [
         "mode",
         "tok/s",
@@ -310,6 +352,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         "vs baseline",
         "step ms",
         "peak GiB",
+        "planned GPU peak",
         "MFU",
         "MFU vs matmul",
         "loss",
@@ -331,6 +374,7 @@ def markdown(rows: list[dict], info: dict) -> str:
                 ratio(r, rows, "baseline"),
                 f"{r['step_ms']:.1f}",
                 f"{r['peak_mem_gib']:.2f}",
+                planned_vs_measured(r, info["device"]),
                 fmt(r["mfu"], ".2f"),
                 fmt(r["mfu_matmul"], ".2f"),
                 f"{r['loss']:.5f}",
@@ -340,11 +384,22 @@ def markdown(rows: list[dict], info: dict) -> str:
             ]
         )
     mem = "CUDA max_memory_allocated" if info["device"] == "cuda" else "peak RSS growth of the mode's process"
+    mem += "; planned GPU peak = fastpt.plan's max_memory_allocated for the step on a GPU, traced on the CPU"
     with_kernels = any("+kernels" in r["mode"] for r in rows)
     note = kernel_rows_note(torch.device(info["device"]), "+kernels rows") if with_kernels else ""
     return f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up" + (
         f"; {note}." if note else "."
     )
+
+
+def planned_vs_measured(row: dict, device: str) -> str:
+    """The planned GiB; on a GPU also its difference from the measured peak."""
+    planned = row.get("planned_gib")
+    if planned is None:
+        return "–"
+    if device != "cuda":
+        return f"{planned:.2f}"
+    return f"{planned:.2f} ({100 * (planned / row['peak_mem_gib'] - 1):+.1f}%)"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -376,6 +431,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="CPU threads per mode (default: torch's); 1 steadies a busy shared machine",
     )
     ap.add_argument("--data", default="repo", help="repo | random | default | a folder of shards")
+    ap.add_argument(
+        "--no-plan", dest="plan", action="store_false", help="leave out the planned GPU peak (fastpt.plan) of each mode"
+    )
     ap.add_argument("--json", help="write every row (and the table) here")
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--mode-timeout", type=float, help="seconds per mode before it counts as failed")
@@ -417,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     env = env_info(device)
     ceiling = matmul_tflops(device)
+    context = cuda_context_gib(device)  # after the matmul: cuBLAS loaded
     peak = peak_flops(env["device_name"]) if device.type == "cuda" else None
     with tempfile.TemporaryDirectory() as tmp:
         data_dir, data_desc = prepare_data(args.data, Path(tmp), PRESETS[args.preset].vocab_size)
@@ -429,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             args.dtype,
             str(data_dir),
             threads=args.threads,
+            plan=args.plan,
         )
         deadline = time.monotonic() + (math.inf if args.time_budget is None else args.time_budget)
         rows = [run_mode(setup, mode, args.steps, args.warmup, args.mode_timeout, deadline) for mode in args.modes]
@@ -440,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "matmul_tflops": ceiling,
+        "cuda_context_gib": context,
         "peak_tflops": peak and peak / 1e12,
         "params": next((r["params"] for r in rows if "params" in r), 0),
         "cpu_threads": next((r["cpu_threads"] for r in rows if "cpu_threads" in r), env["cpu_threads"]),

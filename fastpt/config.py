@@ -30,6 +30,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype names
+AUTO = "auto"  # micro_batch = "auto": the largest that fits the GPU, planned (fastpt/plan.py)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,9 @@ class TrainConfig:
     tie_embeddings: bool | None = shape("share the LM head with the token embedding")
     # optimisation: the seed's values
     max_steps: int = setting(10000, "optimizer steps", domain=POSITIVE)
-    micro_batch: int = setting(16, "sequences per forward/backward, the preset's by default", domain=POSITIVE)
+    micro_batch: int | str = setting(
+        16, "sequences per forward/backward, the preset's by default; auto: the most that fit the GPU", domain=POSITIVE
+    )
     grad_accum: int = setting(4, "micro-batches per optimizer step, the preset's by default", domain=POSITIVE)
     lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
     min_lr_ratio: float = setting(0.1, "the schedule's floor as a fraction of the peak", domain=UNIT)
@@ -206,6 +209,15 @@ class TrainConfig:
     seed: int = setting(1337, "seed for init and data order", domain=SEED)
     tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
     wandb: str = setting("", "Weights & Biases project to log to; '' = off")
+    # memory planning (fastpt/plan.py)
+    plan: bool = setting(False, "print the run's planned memory per GPU (its step over fake tensors) and exit")
+    plan_json: str = setting("", "with --plan: also write the plan here as JSON")
+    plan_gpu: str = setting(
+        "", "the card to plan for: h100-80, h200, l4, ... (an unknown name lists them) or NGiB; '' = this machine's GPU"
+    )
+    plan_world_size: int = setting(
+        1, "with --plan: GPUs to plan for (the per-rank peak under --parallel)", domain=POSITIVE
+    )
 
 
 # On a CPU the zero-config run must finish in minutes, on a loaded 2-core machine too (README,
@@ -243,6 +255,8 @@ def coerce(key: str, value: Any, source: str) -> Any:
     """Check one key/value pair against TrainConfig and return it with the field's type."""
     if key not in FIELD_TYPES:
         raise ConfigError(f"{source}: unknown config key '{key}'{suggest(key, FIELD_TYPES)}")
+    if key == "micro_batch" and value == AUTO:
+        return value
     want = FIELD_TYPES[key]
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
@@ -273,7 +287,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         value, choices, domain = getattr(cfg, name), f.metadata["choices"], f.metadata["domain"]
         if choices and value not in choices:
             raise ConfigError(f"'{name}' = {value!r} is not one of {', '.join(map(repr, choices))}")
-        if domain and value not in domain:
+        if domain and value != AUTO and value not in domain:
             finite = "" if math.isfinite(value) else " (a finite number)"
             raise ConfigError(f"'{name}' must be {domain}{finite}, got {value!r}")
     if cfg.warmup_steps > cfg.max_steps:
@@ -376,6 +390,10 @@ def to_toml(cfg: TrainConfig) -> str:
     return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
 
 
+def int_or_auto(text: str) -> int | str:
+    return text if text == AUTO else int(text)
+
+
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
     """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
     ap = ArgumentParser(
@@ -409,9 +427,8 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
         if FIELD_TYPES[name] is bool:
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         else:
-            ap.add_argument(
-                flag, type=FIELD_TYPES[name], default=argparse.SUPPRESS, help=help_text, metavar=name.upper()
-            )
+            kind = int_or_auto if name == "micro_batch" else FIELD_TYPES[name]
+            ap.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=name.upper())
     args, unknown = ap.parse_known_args(argv)
     if unknown:
         hint = suggest(unknown[0].split("=")[0], flags)

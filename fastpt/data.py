@@ -436,11 +436,16 @@ class Data:
         return self.sources[0].folder
 
 
+def default_vocab(cfg: TrainConfig) -> int:
+    """The BPE size the default corpus is prepared with (tiny takes the data's)."""
+    return cfg.vocab_size or PRESETS[cfg.preset].vocab_size or 4096
+
+
 def default_data(cfg: TrainConfig, d: Dist, init_tokenizer: Path | None) -> Path:
     """The default corpus, prepared once by rank 0 (the others wait, then find it complete)."""
     from fastpt.prepare import default_corpus
 
-    vocab_hint = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or 4096  # BPE size (tiny takes the data's)
+    vocab_hint = default_vocab(cfg)
     if cfg.init_from and init_tokenizer is None:  # a BPE of our own would give its ids another meaning
         raise ConfigError(
             f"{cfg.init_from} has no tokenizer.json to prepare the default corpus with: "

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -216,7 +217,9 @@ def shard(model: nn.Module, dtype: torch.dtype) -> None:
         else MixedPrecisionPolicy()
     )
     # The mesh on the model's device: FSDP's default is the accelerator, even for a gloo run on CPU.
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    # Real tensors even when fastpt.plan builds the model over fake ones (a mesh holds its ranks).
+    with unset_fake_temporarily():
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from fastpt import checkpoint, distributed, float8
+from fastpt import checkpoint, distributed, float8, plan
 from fastpt.checkpoint import build_checkpointer, save_checkpoint, start_or_resume
-from fastpt.config import DTYPES, TrainConfig, check_runtime, parse_args, pick_device, resolve
-from fastpt.data import Data, TrainLoader, build_data, packing_warning
+from fastpt.config import DTYPES, ModelConfig, TrainConfig, check_runtime, parse_args, pick_device, resolve
+from fastpt.data import TrainLoader, build_data, packing_warning
 from fastpt.distributed import Preemption
 from fastpt.errors import print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
@@ -139,16 +139,19 @@ class TrainState:
 # ---- setup
 
 
-def build_model(cfg: TrainConfig, data: Data, device: torch.device, d: distributed.Dist) -> Net:
+def build_model(
+    cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, d: distributed.Dist, init_weights: dict | None = None
+) -> Net:
     """The seeded model (from --init-from's weights if given), float8, compiled and parallelized
     in torchtitan's order, its optimizers and precision."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw = Transformer(data.model_config, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing)
-    if data.init_weights is not None:
-        raw.load_state_dict(data.init_weights)
-    raw.to(device)
+    raw = Transformer(mcfg, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing)
+    if init_weights is not None:
+        raw.load_state_dict(init_weights)
+    if raw.output_weight.device != device:  # built in place already: fastpt.plan's fake model cannot be moved
+        raw.to(device)
     if cfg.float8:  # before compiling and sharding
         float8.convert(raw)
     model = distributed.parallelize(raw, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile_mode if cfg.compile else None)
@@ -182,9 +185,9 @@ def too_many_skips(state: TrainState, max_skips: int, log) -> bool:
 # ---- the loop
 
 
-def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
-    """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop); returns the
-    process exit code."""
+def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen: str = "") -> int:
+    """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop; `chosen`, what
+    --micro-batch auto chose, joins the summary); returns the process exit code."""
     device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
     if device.type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -195,14 +198,14 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
         data = build_data(cfg, d, device)
         cleanup.callback(data.loader.close)
         evaluator = Evaluator(data.val, cfg, device, data.sources)  # val loss, bpb, --eval-mc
-        net = build_model(cfg, data, device, d)
+        net = build_model(cfg, data.model_config, device, d, data.init_weights)
         state = TrainState()
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
         start_or_resume(cfg, ckpt, device, log)
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
         seq_len = data.train.seq_len
         dash = Dashboard.for_run(cfg, net.raw.flops_per_token(seq_len), seq_len, device, d.world_size)
-        for line in summary(cfg, data, net.raw.num_params(), dash):
+        for line in summary(cfg, data, net.raw.num_params(), dash) + ([chosen] if chosen else []):
             log(line)
         if warning := packing_warning(data.train, dash.tokens_per_step // seq_len, cfg.max_steps):
             log(warning, file=sys.stderr)
@@ -260,14 +263,17 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     cli, config_file = parse_args(argv)
+    if plan.requested(cli, config_file):
+        return plan.main(cli, config_file)
     cfg = resolve(cli, config_file, pick_device(cli))
     check_runtime(cfg)
+    cfg, chosen = plan.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
     d = distributed.setup(cfg.device)
     try:
         # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank
         # must not kill it before it has said which rank died.
         with Preemption() as preemption, distributed.report_lost_ranks(d):
-            return train(cfg, d, preemption)
+            return train(cfg, d, preemption, chosen)
     finally:
         distributed.teardown(d)
 

@@ -6,8 +6,11 @@ Knows nothing about fastpt (its imports are relative): the folder kernels/ insta
 Every op takes ``backend``: "auto" runs the Triton kernels on CUDA tensors and the reference on
 CPU tensors, unless TRITON_INTERPRET=1 is set, which runs the kernels on CPU through Triton's
 interpreter; "triton" forces the kernels (an error where they cannot run); "torch" the reference.
+Inside ``tracing_only()``, "triton" picks the kernels' ops on any tensor, for tracing their
+registered fakes (a memory plan of a GPU run on a machine that cannot run them).
 """
 
+import contextlib
 import importlib.util
 import os
 
@@ -15,11 +18,24 @@ import torch
 
 from . import functional, reference
 
-__all__ = ["rms_norm", "cross_entropy", "linear_cross_entropy", "available"]
+__all__ = ["rms_norm", "cross_entropy", "linear_cross_entropy", "available", "tracing_only"]
 
 BACKENDS = ("auto", "triton", "torch")
 REDUCTIONS = ("mean", "sum", "none")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+_tracing_only = False
+
+
+@contextlib.contextmanager
+def tracing_only():
+    """While inside, backend="triton" selects the Triton ops whatever this machine can run: only
+    for tensors that never run them (fake tensors), whose shapes the ops' fakes give."""
+    global _tracing_only
+    before, _tracing_only = _tracing_only, True
+    try:
+        yield
+    finally:
+        _tracing_only = before
 
 
 def _interpret() -> bool:
@@ -36,6 +52,8 @@ def _use_triton(backend: str, t: torch.Tensor) -> bool:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
+    if _tracing_only and backend == "triton":
+        return True
     # CUDA is checked first so torch.compile never traces the environment lookup on GPU.
     runnable = _HAS_TRITON and (t.is_cuda or _interpret())
     if backend == "triton" and not runnable:

@@ -14,19 +14,9 @@ and the masks ragged, and the kernel's loads and stores 16-bit scalars, not 128-
 import functools
 
 import torch
-import triton
 
+from ..scratch import ROW_ALIGN, chunk_rows
 from .cross_entropy import cross_entropy_forward
-
-CHUNK_BYTES = 256 * 2**20  # logits held at once; 4K rows of a 32K vocabulary in bf16
-ROW_ALIGN = 64  # elements: 128 bytes of bf16, a cache line
-
-
-def _chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype) -> int:
-    """Rows per chunk: equal chunks, none above CHUNK_BYTES of logits."""
-    bytes_per_row = n_cols * dtype.itemsize
-    n_chunks = max(1, triton.cdiv(n_rows * bytes_per_row, CHUNK_BYTES))
-    return max(1, triton.cdiv(n_rows, n_chunks))
 
 
 @functools.lru_cache
@@ -89,7 +79,7 @@ def linear_cross_entropy_forward(
         grad_scale = grad_scale.expand(n_rows)
         dinput = torch.empty_like(input)
         dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    chunk = _chunk_rows(n_rows, w_padded.shape[0], compute_dtype)
+    chunk = chunk_rows(n_rows, w_padded.shape[0], compute_dtype)
     for start in range(0, n_rows, chunk):
         rows = slice(start, start + chunk)
         x = input[rows].to(compute_dtype)

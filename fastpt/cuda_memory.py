@@ -1,0 +1,91 @@
+"""What a CUDA GPU holds that a step traced over fake CPU tensors does not show, and the cards a
+plan is measured against: the CUDA context, the cuBLAS workspace, the scratch that kernels allocate
+inside (a fake implementation gives only an op's outputs), the cards' memory."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from fastpt.errors import ConfigError
+from fastpt.kernels import scratch
+
+GIB = 2**30
+MIB = 2**20
+# The card's whole memory, as nvidia-smi's memory.total reports it (MiB).
+GPUS = {
+    "h100-80": ("H100 80GB", 81559),
+    "h200": ("H200", 143771),
+    "a100-40": ("A100 40GB", 40960),
+    "a100-80": ("A100 80GB", 81920),
+    "l4": ("L4", 23034),
+    "4090": ("RTX 4090", 24564),
+}
+# What a CUDA process holds outside torch's allocator: the CUDA context with lazily loaded kernels,
+# the cuBLAS / cuDNN handles and their libraries' modules: 0.3-0.6 GiB on recent drivers. An
+# estimate until bench/gpu.sh measures it (nvidia-smi's used memory less torch's reserved).
+CUDA_CONTEXT = GIB // 2
+CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper, allocated through torch
+
+
+@dataclass
+class Card:
+    name: str
+    total: int  # bytes
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name} of {self.total / GIB:.1f} GiB"
+            if self.name == "a card"
+            else f"{self.name} ({self.total / GIB:.1f} GiB)"
+        )
+
+
+def card(spec: str) -> Card | None:
+    """--plan-gpu: a known card, 'NGiB' (or a bare number of GiB), or '' for this machine's GPU
+    (None without one)."""
+    if not spec:
+        if not torch.cuda.is_available():
+            return None
+        return Card(torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1])
+    if spec.lower() in GPUS:
+        name, mib = GPUS[spec.lower()]
+        return Card(name, mib * MIB)
+    if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:gib|g|gb)?", spec.strip().lower()):
+        return Card("a card", int(float(m[1]) * GIB))
+    raise ConfigError(f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB")
+
+
+# ---- what a CUDA kernel allocates inside, beyond its outputs
+
+
+def flash_backward_bytes(args: tuple, out: object) -> int:
+    """CUDA flash attention's backward: an fp32 dq accumulator (rows to 128, head dim to 32) and
+    softmax statistics; with GQA, dk and dv at the full head count before their sum over groups."""
+    q, k = args[1], args[2]
+    b, h, t, hd = q.shape
+    rows, width = -(-t // 128) * 128, -(-hd // 32) * 32
+    gqa = 2 * b * t * h * hd * q.dtype.itemsize if k.shape[1] != h else 0
+    return b * rows * h * width * 4 + b * h * rows * 4 + gqa
+
+
+def linear_cross_entropy_bytes(args: tuple, out: object) -> int:
+    input, weight, compute_dtype = args[0], args[1], args[6]
+    return scratch.linear_cross_entropy_bytes(input, weight, compute_dtype)
+
+
+def scratch_table() -> dict:
+    fastpt_ops = torch.ops.fastpt
+    return {
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: flash_backward_bytes,
+        fastpt_ops.linear_cross_entropy.default: linear_cross_entropy_bytes,
+        fastpt_ops.linear_cross_entropy_backward.default: linear_cross_entropy_bytes,
+    }
+
+
+def machine_card() -> Card:
+    """This machine's memory, the card of a plan for a CPU run."""
+    return Card("this machine's memory", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

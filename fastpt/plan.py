@@ -1,0 +1,443 @@
+"""Know before you rent: a run's GPU memory planned on any machine, by running its real step over
+fake tensors. `python -m fastpt.train --plan [the run's flags]`; `--micro-batch auto` uses the same.
+
+The config resolves as the run's would, then train.build_model builds the model, its compile and
+DDP / FSDP wrapping, its optimizers and precision under FakeTensorMode, and train.train_step runs
+two optimizer steps of it (all micro-steps, clipping and the optimizer included) inside a
+memory.MemoryTrace. Shapes and dtypes are real, no byte is allocated, no data is read. Under FSDP
+a fake process group lets this one process play rank 0 of N.
+
+A fake CUDA device does not run on a CPU build of torch, so a plan for CUDA runs over fake CPU
+tensors with a GPU run's choices and corrects for what differs, explicitly:
+- the kernels: --kernels auto means Triton there (their registered fakes answer for them), and the
+  scratch that a kernel allocates inside (cuda_memory.scratch_table) is added while its op runs;
+- attention: the CPU's flash kernel saves what CUDA's does (q, k, v, out, an fp32 logsumexp); the
+  CUDA flash backward's accumulators are added as its scratch;
+- sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspace;
+- autocast: CPU and CUDA cast the ops of fastpt's forward alike (matmuls and attention to the
+  autocast dtype on both; the norms and the loss upcast their inputs themselves), so nothing to do.
+Compiled runs: compiled_memory (Inductor's partitioner, its lowering's memory rules).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import FSDPModule
+
+from fastpt import distributed, kernels
+from fastpt.compiled_memory import compiling_for_plan, recompile_for_plan
+from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, check_runtime, load_toml, resolve
+from fastpt.cuda_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, GIB, Card, card, machine_card, scratch_table
+from fastpt.data import Batch, common_vocab, data_sources, default_vocab, doc_token
+from fastpt.errors import ConfigError
+from fastpt.files import os_reason, write_atomic
+from fastpt.hf import from_hf_config, is_hf_dir, read_json
+from fastpt.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
+from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
+
+FIT_MARGIN = 0.05  # --micro-batch auto leaves this fraction of the card free
+
+
+# ---- the run, built over fake tensors
+
+
+class FakeLoader:
+    """What train_step reads from a TrainLoader: a fresh (B, T) pair of int64 batches per micro-step."""
+
+    def __init__(self, micro_batch: int, seq_len: int, vocab_size: int):
+        self.shape, self.vocab_size = (micro_batch, seq_len), vocab_size
+        self.device = torch.device("cpu")
+
+    def next(self) -> Batch:
+        return Batch(*(torch.randint(0, self.vocab_size, self.shape) for _ in range(2)))
+
+
+def planned_model(cfg: TrainConfig) -> ModelConfig:
+    """The model the run would build, from the preset, the shape keys and --init-from's config.json;
+    the vocab from --data's meta (no shard is read), else the one the default corpus would have."""
+    base = None
+    if cfg.init_from:
+        if not is_hf_dir(cfg.init_from):
+            raise ConfigError(f"{cfg.init_from}: not a Hugging Face model folder (no config.json)")
+        path = Path(cfg.init_from) / "config.json"
+        base = from_hf_config(read_json(path), str(path))
+    sources = data_sources(cfg.data)
+    vocab = common_vocab(sources, cfg.data_format) if sources else 0 if base else default_vocab(cfg)
+    document = cfg.attention == "document"
+    doc = (doc_token(sources[0].folder, "'attention' = 'document'") if sources else 0) if document else None
+    return model_config(cfg, vocab, base, doc)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[distributed.Dist]:
+    """Rank 0 of world_size over a fake process group (collectives return at once), or one process."""
+    if world_size == 1:
+        yield distributed.ONE_PROCESS
+        return
+    import torch.distributed._tools.fake_collectives  # noqa: F401  (c10d collectives on fake tensors)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield distributed.Dist(0, 0, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def step_config(cfg: TrainConfig) -> TrainConfig:
+    """The config a planned step runs: at most two micro-steps, since a third and later ones repeat
+    the second's memory (the gradients exist, the last one syncs)."""
+    return dataclasses.replace(cfg, grad_accum=min(cfg.grad_accum, 2))
+
+
+def as_planned(cfg: TrainConfig, target: str) -> TrainConfig:
+    """The config the planner builds: a GPU run's kernels choice ('auto' is Triton there)."""
+    return dataclasses.replace(cfg, kernels="triton" if target == "cuda" and cfg.kernels == "auto" else cfg.kernels)
+
+
+@dataclass
+class Peak:
+    """A traced step's peak and what was alive then."""
+
+    bytes: int  # what torch.cuda.max_memory_allocated would report (CPU: the allocator's peak)
+    parts: dict[str, int]  # parameters, gradients, optimizer state, activations, transient, ...
+    blocks: int  # the caching allocator's blocks beyond the requests
+    largest: tuple[int, str, tuple[int, ...]] | None  # the largest transient: bytes, op, shape
+    where: str  # 'step 2, micro-step 2, backward'
+    reserved: int  # max_memory_reserved (0 on a CPU)
+
+
+@dataclass
+class Plan:
+    """A planned run: its peak per GPU (or the CPU run's allocator peak), against a card."""
+
+    cfg: TrainConfig
+    target: str  # cuda | cpu
+    world_size: int
+    seq_len: int
+    params: int
+    peak: Peak
+    card: Card | None = None
+    seconds: float = 0.0
+    trace: MemoryTrace | None = field(default=None, repr=False)  # every storage's life, for a closer look
+
+    @property
+    def card_bytes(self) -> int:
+        """What the card must hold: the allocator's reserve and the CUDA context."""
+        return self.peak.reserved + CUDA_CONTEXT if self.target == "cuda" else self.peak.bytes
+
+    def fits(self, margin: float = 0.0) -> bool | None:
+        return None if self.card is None else self.card_bytes <= self.card.total * (1 - margin)
+
+
+@contextlib.contextmanager
+def fake_run(target: str, world_size: int = 1, compile: bool = False) -> Iterator[tuple[distributed.Dist, MemoryTrace]]:
+    """Where a planned step is built and run: fake tensors (no byte allocated), fastpt's Triton ops
+    traced through their fakes, a fake process group for rank 0 of world_size, torch.compile's
+    caches off; the garbage collector off, so storages die when their last reference goes, as on a
+    GPU. Yields the process and an empty trace with the target's allocator rounding and scratch."""
+    cuda = target == "cuda"
+    mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, FSDP_LABELS)
+    if cuda:  # allocated through torch's allocator at the first matmul, kept for the process
+        mem.lives.append(Life(CUBLAS_WORKSPACE, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
+    gc.collect()
+    gc.disable()
+    try:
+        with (
+            fake_world(world_size) as d,
+            FakeTensorMode(allow_non_fake_inputs=True),  # a compiled AC graph hands back a real RNG state
+            kernels.tracing_only(),
+            compiling_for_plan() if compile else contextlib.nullcontext(),
+        ):
+            yield d, mem
+    finally:
+        gc.enable()
+
+
+def trace_steps(mem: MemoryTrace, step: Callable[[], object], model: torch.nn.Module, optimizers: list) -> None:
+    """Two calls of step() (an optimizer step) in the trace; after each, its gradients and optimizer
+    state named. Two: the second holds the optimizer state that the first creates."""
+    mem.add(list(model.parameters()) + list(model.buffers()), "parameters")
+    # FSDP keeps each parameter's gradient unsharded, in fp32, across the micro-steps that do not sync.
+    unsharded = lambda *_: mem.label(
+        (fp.unsharded_accumulated_grad for fp in fsdp_params(model)), "unsharded gradients"
+    )
+    with mem, model.register_forward_pre_hook(unsharded):
+        for _ in range(2):
+            mem.begin_step()
+            step()
+            mem.label((p.grad for p in model.parameters()), "gradients")
+            mem.label(
+                (v for opt in optimizers for state in opt.state.values() for v in state.values()), "optimizer state"
+            )
+
+
+def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
+    """Two optimizer steps of the run over fake tensors, traced, each of at most two micro-steps: a
+    third and later ones repeat the second's memory (the gradients exist, the last one syncs)."""
+    from fastpt.train import build_model, train_step
+
+    t0 = time.perf_counter()
+    mcfg = planned_model(cfg)
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    micro_steps = step_config(cfg).grad_accum
+    ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
+    with fake_run(target, 1 if ddp else world_size, cfg.compile) as (d, mem):
+        net = build_model(as_planned(cfg, target), mcfg, torch.device("cpu"), d)
+        recompile_for_plan(net.raw, target)
+        if ddp:
+            mem.lives += ddp_buckets(net.raw, mem.round_to)
+        loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
+        step = lambda: train_step(net, loader, step_config(cfg), d)
+        trace_steps(mem, step, net.raw, net.optimizers)
+        params = net.raw.num_params()
+    peak = peak_of(mem, target, micro_steps)
+    return Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
+
+
+DDP_BUCKET_BYTES = (2**20, 25 * 2**20)  # DDP's first bucket, then bucket_cap_mb's default
+
+
+def ddp_buckets(model: torch.nn.Module, round_to: Callable[[int], int]) -> list[Life]:
+    """The gradient buckets a DDP rank holds for the whole run (the reducer allocates them when DDP is
+    built: each gradient is copied into its bucket for the all-reduce), the parameters in reverse
+    order, as DDP fills them."""
+    buckets, size = [], 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        size += p.numel() * p.element_size()
+        if size >= DDP_BUCKET_BYTES[bool(buckets)]:
+            buckets.append(size)
+            size = 0
+    buckets += [size] if size else []
+    return [Life(round_to(n), 0, "DDP gradient bucket", (n,), "before", kind="DDP gradient buckets") for n in buckets]
+
+
+def fsdp_params(model: torch.nn.Module) -> Iterator:
+    """FSDP2's records of every sharded parameter (its private FSDPParam objects); none without FSDP."""
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        yield from group.fsdp_params if group else ()
+
+
+def gathered(args: tuple, kwargs: dict, out: object) -> list:
+    """FSDP2 copies each all-gathered parameter out of the flat buffer into these."""
+    return [(t, "all-gathered parameters") for t in kwargs["out"]]
+
+
+FSDP_LABELS = {torch.ops.fsdp.split_with_sizes_copy.default: gathered}
+
+
+def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:
+    """The peak (on CUDA through the caching allocator's replay) and what was alive then."""
+    if target == "cuda":
+        allocator = replay(mem.lives)
+        peak, event, reserved = allocator.peak_allocated, allocator.peak_event, allocator.peak_reserved
+    else:
+        (peak, event), reserved = sweep(mem.lives), 0
+    snap = mem.at(event)
+    largest = snap.largest and (snap.largest.nbytes, snap.largest.op, snap.largest.shape)
+    blocks = peak - sum(snap.parts.values())
+    return Peak(peak, snap.parts, blocks, largest, clip_phase(snap.where, micro_steps), reserved)
+
+
+def clip_phase(where: str, micro_steps: int) -> str:
+    """A 'forward' after the last micro-step's backward is the clipping and loss reduction."""
+    m = re.search(r"micro-step (\d+), forward", where)
+    if m and int(m[1]) > micro_steps:
+        return where[: m.start()] + "after the backward (clipping)"
+    return where
+
+
+# ---- the report
+
+
+def gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def describe(plan: Plan) -> list[str]:
+    """The plan as it prints: the run, the peak and its parts, what the card needs, the verdict."""
+    cfg, cuda, peak = plan.cfg, plan.target == "cuda", plan.peak
+    kernels_used = as_planned(cfg, plan.target).kernels
+    ranks = f"{plan.world_size} ranks ({cfg.parallel})" if plan.world_size > 1 else "1 GPU" if cuda else "1 process"
+    lines = [
+        f"plan for {'CUDA' if cuda else 'a CPU run'} | preset {cfg.preset} | params {plan.params:,} | "
+        f"dtype {cfg.dtype} | compile {cfg.compile} | AC {cfg.activation_checkpointing} | kernels {cfg.kernels}"
+        + (f" ({kernels_used})" if kernels_used != cfg.kernels else "")
+        + f" | {cfg.micro_batch} x {plan.seq_len} x {cfg.grad_accum} accum x {ranks}",
+        f"peak {'per GPU' if cuda else 'of the CPU allocator'}: {gib(peak.bytes)} "
+        f"({'torch.cuda.max_memory_allocated' if cuda else 'tensors allocated'}), at {peak.where}",
+    ]
+    notes = {"activations": "kept for the backward"}
+    if peak.largest:
+        nbytes, op, shape = peak.largest
+        notes["transient"] = f"largest {gib(nbytes)}: {op}" + (f" {list(shape)}" if shape else "")
+    if cuda:
+        notes["allocator blocks"] = "the caching allocator's blocks beyond the requests"
+    for part, nbytes in {**peak.parts, **({"allocator blocks": peak.blocks} if cuda else {})}.items():
+        lines.append(f"  {part:<23} {gib(nbytes):>10}  {notes.get(part, '')}".rstrip())
+    if cuda:
+        lines.append(
+            f"the card needs {gib(plan.card_bytes)}: {gib(peak.reserved)} reserved by the caching allocator "
+            f"(its segments, replayed) + {gib(CUDA_CONTEXT)} CUDA context (an estimate)"
+        )
+    if plan.card is not None:
+        spare = plan.card.total - plan.card_bytes
+        verdict = "fits" if spare >= 0 else "does NOT fit"
+        lines.append(f"{verdict} {plan.card}: {gib(abs(spare))} {'to spare' if spare >= 0 else 'short'}")
+    lines.append(f"planned in {plan.seconds:.1f} s")
+    return lines
+
+
+def to_json(plan: Plan) -> dict:
+    """The plan as --plan-json writes it (sizes in GiB)."""
+    peak = plan.peak
+    out = {
+        "peak_gib": peak.bytes / GIB,
+        "parts_gib": {k: v / GIB for k, v in peak.parts.items()},
+        "largest_transient": peak.largest
+        and {"gib": peak.largest[0] / GIB, "op": peak.largest[1], "shape": list(peak.largest[2])},
+        "at": peak.where,
+        "micro_batch": plan.cfg.micro_batch,
+        "grad_accum": plan.cfg.grad_accum,
+        "seq_len": plan.seq_len,
+        "world_size": plan.world_size,
+        "device": plan.target,
+        "params": plan.params,
+        "seconds": plan.seconds,
+    }
+    if plan.target == "cuda":
+        out.update(
+            allocator_blocks_gib=peak.blocks / GIB,
+            reserved_gib=peak.reserved / GIB,
+            cuda_context_gib=CUDA_CONTEXT / GIB,
+            card_gib=plan.card_bytes / GIB,
+        )
+    if plan.card is not None:
+        out.update(gpu=plan.card.name, gpu_gib=plan.card.total / GIB, fits=plan.fits())
+    return out
+
+
+# ---- --micro-batch auto
+
+
+def config_sequences(cfg: TrainConfig) -> int:
+    """Sequences per optimizer step and rank that the config asks for: its micro-batch (the preset's,
+    or the CPU profile's, when it says auto) x grad_accum."""
+    micro = cfg.micro_batch
+    if micro == AUTO:
+        micro = CPU_PROFILE["micro_batch"] if cfg.device == "cpu" else PRESET_BATCH.get(cfg.preset, (16, 0))[0]
+    return micro * cfg.grad_accum
+
+
+def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
+    """The largest micro-batch whose plan fits the card with FIT_MARGIN free, grad_accum adjusted to
+    keep the config's sequences per step (or the nearest above); the plan at it, and what it chose.
+    The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first guess,
+    then the number of micro-steps moves by one until the fit is tight."""
+    if gpu is None:
+        raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
+    sequences = config_sequences(cfg)
+    plans: dict[int, Plan] = {}
+
+    def plan_at(accum: int) -> Plan:  # the plan with `accum` micro-steps
+        if accum not in plans:
+            micro = -(-sequences // accum)
+            plans[accum] = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
+            plans[accum].card = gpu
+        return plans[accum]
+
+    one = plan_at(sequences)
+    if not one.fits(FIT_MARGIN):
+        raise ConfigError(
+            f"'micro_batch' = 'auto': even micro-batch 1 does not fit {gpu} ({gib(one.card_bytes)} planned, "
+            f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
+        )
+    accum = guess_accum(one, plan_at(-(-sequences // min(sequences, 4))), sequences, gpu.total * (1 - FIT_MARGIN))
+    while accum < sequences and not plan_at(accum).fits(FIT_MARGIN):
+        accum += 1
+    while accum > 1 and plan_at(accum).fits(FIT_MARGIN) and plan_at(accum - 1).fits(FIT_MARGIN):
+        accum -= 1
+    best = plan_at(accum)
+    micro = best.cfg.micro_batch
+    exact = "" if micro * accum == sequences else f", the nearest above the config's {sequences}"
+    why = (
+        f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{exact}; the largest that "
+        f"fits {gpu} with {FIT_MARGIN:.0%} free ({gib(best.card_bytes)} planned)"
+    )
+    return best, why
+
+
+def guess_accum(one: Plan, probe: Plan, sequences: int, limit: float) -> int:
+    """The fewest micro-steps whose micro-batch the line through two plans puts under the limit."""
+    per_sequence = max(1.0, (probe.card_bytes - one.card_bytes) / max(1, probe.cfg.micro_batch - 1))
+    most = max(1, min(sequences, 1 + int((limit - one.card_bytes) / per_sequence)))
+    return -(-sequences // most)
+
+
+# ---- the command
+
+
+def requested(cli: dict, config_file: str | None) -> bool:
+    """--plan on the command line, or plan = true in the TOML file."""
+    if "plan" in cli:
+        return bool(cli["plan"])
+    return bool(config_file and load_toml(config_file).get("plan"))
+
+
+def planned_config(cli: dict, config_file: str | None) -> tuple[TrainConfig, str]:
+    """The run's config, resolved as the run would (for CUDA unless --device cpu), and the target."""
+    target = cli.get("device") or "cuda"
+    cfg = resolve(cli, config_file, target)
+    if target == "cpu":
+        check_runtime(cfg)  # a CPU run runs here: what this machine refuses, the plan refuses
+    return cfg, target
+
+
+def main(cli: dict, config_file: str | None) -> int:
+    """python -m fastpt.train --plan ...: print the plan (and --plan-json it); trains nothing."""
+    cfg, target = planned_config(cli, config_file)
+    if cfg.plan_json and not Path(cfg.plan_json).parent.is_dir():  # said now, not after planning
+        raise ConfigError(
+            f"'plan_json' = {cfg.plan_json!r}: no folder {str(Path(cfg.plan_json).parent)!r} to write it in"
+        )
+    gpu = card(cfg.plan_gpu) if target == "cuda" else machine_card()
+    why = ""
+    if cfg.micro_batch == AUTO:
+        plan, why = fit_micro_batch(cfg, target, cfg.plan_world_size, gpu)
+    else:
+        plan = trace(cfg, target, cfg.plan_world_size)
+        plan.card = gpu
+    lines = describe(plan) + ([why] if why else [])
+    print("\n".join(lines), flush=True)
+    if cfg.plan_json:
+        text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
+        try:
+            write_atomic(Path(cfg.plan_json), lambda f: f.write(text.encode()))
+        except OSError as e:
+            raise ConfigError(f"'plan_json' = {cfg.plan_json!r}: cannot write it ({os_reason(e)})") from None
+    return 0
+
+
+def auto_micro_batch(cfg: TrainConfig) -> tuple[TrainConfig, str]:
+    """A run's --micro-batch auto, before it starts: the config with the chosen micro-batch and
+    grad_accum, and the line that says why (unchanged and '' without auto)."""
+    if cfg.micro_batch != AUTO:
+        return cfg, ""
+    gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    plan, why = fit_micro_batch(cfg, cfg.device, world_size, gpu)
+    return dataclasses.replace(cfg, micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum), why
