@@ -11,8 +11,8 @@ import torch
 from bench.common import cpu_threads, sync
 from bench.suite import median_s, needs_cuda, record
 from bench.train_step import BATCH, Setup, build, parse_mode
-from fastpt.config import PRESETS
 from fastpt.metrics import peak_mem_gib
+from fastpt.presets import PRESETS
 
 
 def bench_step(benchmark, setup: Setup, mode_name: str, rounds: int) -> None:

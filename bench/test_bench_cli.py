@@ -13,8 +13,8 @@ import torch
 from bench import baseline
 from bench.common import REPO
 from bench.train_step import Setup, losses_agree, parse_mode, run_mode, unavailable
-from fastpt.config import ModelConfig
 from fastpt.model import Transformer
+from fastpt.presets import ModelConfig
 
 ROW_FIELDS = {
     "mode",

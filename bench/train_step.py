@@ -36,16 +36,17 @@ import torch
 from bench import baseline
 from bench.common import REPO, env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, rss_gib, sync, write_json
 from fastpt import float8
-from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig, model_config
+from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig
 from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer
+from fastpt.presets import model_config
 from fastpt.profiling import compiled_graphs
 from fastpt.shards import write_shard
-from fastpt.train import train_step
+from fastpt.train import Net, train_step
 
 
 class Baseline(baseline.GPT):
@@ -178,7 +179,8 @@ def build(setup: Setup, mode: Mode) -> Run:
     loader = TrainLoader(Windows(shards, setup.seq_len), setup.micro_batch, setup.seed, device)
     autocast = torch.autocast(device.type, dtype=DTYPES[setup.dtype], enabled=setup.dtype != "fp32")
     scaler = torch.amp.GradScaler(device.type, enabled=setup.dtype == "fp16")  # as fastpt.train builds it
-    step = lambda: train_step(net, optimizer, scaler, loader, setup.grad_accum, autocast, TRAIN.max_grad_norm).loss
+    step_cfg = dataclasses.replace(TRAIN, grad_accum=setup.grad_accum)
+    step = lambda: train_step(Net(model, net, [optimizer], autocast, scaler), loader, step_cfg).loss
     return Run(
         step,
         loader,

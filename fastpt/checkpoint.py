@@ -18,6 +18,7 @@ values only (NumPy's RNG state as a tensor).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import random
@@ -26,6 +27,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -49,8 +51,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fastpt import files
-from fastpt.errors import CheckpointError, FastptError
+from fastpt.errors import CheckpointError, ConfigError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
+from fastpt.presets import ModelConfig
 
 __all__ = [
     "Checkpointer",
@@ -69,6 +72,11 @@ __all__ = [
     "step_of",
     "tokenizer_of",
 ]
+
+if TYPE_CHECKING:  # annotations only: the run's pieces are built above this module
+    from fastpt.config import TrainConfig
+    from fastpt.data import Data
+    from fastpt.train import Net, TrainState
 
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 STATE_FILE = "state.pt"
@@ -418,3 +426,72 @@ class Checkpointer:
 
         found = restore(self.run_dir, map_location, put)
         return found[0] if found else None
+
+
+# ---- a training run's checkpointer
+
+
+def build_checkpointer(cfg: TrainConfig, data: Data, net: Net, state: TrainState, is_main: bool) -> Checkpointer:
+    """Every piece of state a run's checkpoint holds, registered once (a new one is one more entry)."""
+    states = {
+        "model": ModelState(net.raw),
+        "optimizer": OptimizerState(net.raw, net.optimizers),
+        "scaler": net.scaler,
+        "loader": data.loader,
+        "rng": RNGState(),
+        "train_state": state,
+    }
+    meta = {"model_config": dataclasses.asdict(data.model_config), "train_config": dataclasses.asdict(cfg)}
+    return Checkpointer(Path(cfg.out), states, meta, cfg.keep_checkpoints, is_main)
+
+
+def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, log: Callable) -> None:
+    """--resume: every registered state from the newest checkpoint that loads, checked to be of this
+    run's model and optimizer. A fresh run refuses a folder that holds an earlier run's checkpoints
+    or metrics."""
+    state = ckpt.states["train_state"]
+
+    def same_model(path: Path, saved: dict) -> None:
+        if diff := model_mismatch(saved["model_config"], ckpt.meta["model_config"]):
+            raise ConfigError(
+                f"{path} was written for another model ({diff}); resume with the same preset, shape keys and data"
+            )
+        if (optimizer := saved.get("train_config", {}).get("optimizer", "adamw")) != cfg.optimizer:
+            raise ConfigError(f"{path} was written with --optimizer {optimizer}: resume with the same optimizer")
+
+    run_dir = ckpt.run_dir
+    ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
+    if cfg.resume and (path := ckpt.restore(device, same_model)):
+        log(f"resumed from {path} at step {state.step}")
+        if state.step >= cfg.max_steps:
+            log(f"nothing to do: the run is already at step {state.step} of max_steps {cfg.max_steps}")
+    elif cfg.resume:
+        log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
+    elif path := latest(run_dir):  # a fresh run would mix its checkpoints with the old ones
+        raise ConfigError(
+            f"{run_dir} already holds a run (newest checkpoint {path.name}): "
+            "add --resume to continue it, or choose another --out"
+        )
+    elif (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size:
+        raise ConfigError(
+            f"{run_dir} holds an earlier run's metrics.jsonl (and no checkpoint): "
+            "add --resume to start that run over, or choose another --out"
+        )
+    state.to(device)
+
+
+def model_mismatch(saved: dict, current: dict) -> str:
+    """The architecture fields a checkpoint's model config disagrees on ('dim 512 != 128')."""
+    saved = dataclasses.asdict(ModelConfig.from_dict(saved))
+    return ", ".join(f"{k} {v} != {current[k]}" for k, v in saved.items() if current[k] != v)
+
+
+def save_checkpoint(ckpt: Checkpointer, step: int, log) -> bool:
+    """Checkpoint `step`; a failed write (a full disk) is a warning, and False."""
+    try:
+        if path := ckpt.save(step):
+            log(f"saved {path}")
+        return True
+    except CheckpointError as e:
+        print(f"fastpt: warning: {e}", file=sys.stderr)
+        return False

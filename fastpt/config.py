@@ -1,7 +1,8 @@
-"""Configs as dataclasses, with every default, help line, choice and valid range in one place.
+"""The run's settings: TrainConfig, with every default, help line, choice and valid range in one
+place; their resolution, checks and the command line.
 
 Resolution order for a run: TrainConfig defaults < the preset's batch < device profile (CPU
-only) < TOML file < CLI. Model shape: the preset's ModelConfig < the shape keys given.
+only) < TOML file < CLI. Model shape (fastpt.presets): the preset's ModelConfig < the shape keys given.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from typing import Any
 
 import torch
 
+from fastpt import float8, kernels
 from fastpt.errors import ArgumentParser, ConfigError
+from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, describe_presets, shape_keys
+from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,119 +30,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype names
-MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
-MAX_SEQ_LEN = 2**20
-ATTENTIONS = ("causal", "document")
-
-
-@dataclass
-class ModelConfig:
-    """The architecture: nothing here is a runtime choice (kernels, compile, dtype are not)."""
-
-    vocab_size: int = 32000  # 0 = take it from the data's meta.json / shard header
-    dim: int = 512
-    n_layers: int = 8
-    n_heads: int = 8
-    n_kv_heads: int = 0  # 0 = same as n_heads (no GQA)
-    ffn_dim: int = 1408
-    max_seq_len: int = 1024
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_embeddings: bool = True  # the LM head shares the token embedding's weight
-    # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
-    # document, which doc_token (the data's meta.json eot_id) starts. Export is a causal Llama either way.
-    attention: str = "causal"
-    doc_token: int | None = None
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    def num_params(self) -> int:
-        """Parameters of the model this config builds (the tied head counted once)."""
-        d, hd = self.dim, self.head_dim
-        attention = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2  # wq, wo; wk, wv
-        block = attention + 3 * d * self.ffn_dim + 2 * d  # + SwiGLU, two norms
-        head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.n_layers * block + d + head
-
-    @classmethod
-    def from_dict(cls, saved: dict) -> ModelConfig:
-        """A config as checkpoints store it; keys of older releases (the runtime `kernels` choice)
-        are dropped."""
-        return cls(**{k: v for k, v in saved.items() if k in MODEL_FIELDS})
-
-    def check(self) -> ModelConfig:
-        """One line naming the field for a shape the model cannot have."""
-        for key in ("dim", "n_layers", "n_heads", "ffn_dim", "max_seq_len"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"'{key}' must be > 0, got {getattr(self, key)}")
-        for key, zero in (("n_kv_heads", "n_heads"), ("vocab_size", "the data's")):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"'{key}' must be >= 0 (0 = {zero}), got {getattr(self, key)}")
-        if self.dim % self.n_heads:
-            raise ConfigError(f"'dim' = {self.dim} is not divisible by 'n_heads' = {self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ConfigError(f"'n_heads' = {self.n_heads} is not divisible by 'n_kv_heads' = {self.kv_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(
-                f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) must be even for RoPE"
-            )
-        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
-            raise ConfigError(f"'norm_eps' must be a finite number > 0, got {self.norm_eps}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ConfigError(f"'rope_theta' must be a finite number > 0, got {self.rope_theta}")
-        if self.max_seq_len > MAX_SEQ_LEN:
-            raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
-        if self.attention not in ATTENTIONS:
-            raise ConfigError(f"'attention' = {self.attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
-        if self.attention == "document" and not (
-            isinstance(self.doc_token, int) and 0 <= self.doc_token < (self.vocab_size or math.inf)
-        ):
-            raise ConfigError(
-                f"'attention' = 'document' needs a document token id below the vocab "
-                f"({self.vocab_size}), got doc_token {self.doc_token!r}"
-            )
-        if self.num_params() > MAX_PARAMS:  # a typo (an extra zero or two), not a model to allocate
-            raise ConfigError(
-                f"this shape has {self.num_params():,} parameters, beyond fastpt's {MAX_PARAMS:,}: "
-                "check 'dim', 'n_layers', 'ffn_dim' and 'vocab_size'"
-            )
-        return self
-
-
-MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
-SHAPE_FIELDS = tuple(k for k in MODEL_FIELDS if k not in ("attention", "doc_token"))  # the TrainConfig shape keys
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(vocab_size=0, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=256),
-    "0.04b": ModelConfig(),
-    "0.1b": ModelConfig(dim=768, n_layers=12, n_heads=12, ffn_dim=2048),
-    "0.35b": ModelConfig(dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, max_seq_len=2048),
-    # TinyLlama-1.1B's architecture exactly: GQA with 4 KV heads, untied head, eps 1e-5.
-    "1b": ModelConfig(
-        dim=2048,
-        n_layers=22,
-        n_heads=32,
-        n_kv_heads=4,
-        ffn_dim=5632,
-        max_seq_len=2048,
-        norm_eps=1e-5,
-        tie_embeddings=False,
-    ),
-}
-# (micro_batch, grad_accum) per preset: the seed's 16 x 4 for 0.04b; sized to fit one 80 GB GPU
-# in bf16 with --compile (the larger ones unmeasured until a GPU run says otherwise).
-PRESET_BATCH: dict[str, tuple[int, int]] = {
-    "tiny": (16, 1),
-    "0.04b": (16, 4),
-    "0.1b": (16, 4),
-    "0.35b": (16, 4),
-    "1b": (8, 8),
-}
 
 
 @dataclass(frozen=True)
@@ -419,11 +310,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def shape_keys(cfg: TrainConfig) -> dict[str, Any]:
-    """The model shape keys given (by TOML or flags) on top of the preset."""
-    return {k: getattr(cfg, k) for k in SHAPE_FIELDS if getattr(cfg, k) is not None}
-
-
 def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
     """The steps START:END (1-based, both included) that --profile records; None when off."""
     if not cfg.profile:
@@ -435,6 +321,27 @@ def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
     if not 1 <= start <= end <= cfg.max_steps:
         raise ConfigError(f"'profile' = {cfg.profile!r} must satisfy 1 <= START <= END <= max_steps ({cfg.max_steps})")
     return start, end
+
+
+def pick_device(cli: dict) -> str:
+    return cli.get("device", "") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_runtime(cfg: TrainConfig) -> None:
+    """Choices the config allows but this machine cannot run: every device check is here."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("'device' = 'cuda' but torch sees no CUDA device")
+    if cfg.dtype == "fp16" and cfg.device != "cuda":
+        raise ConfigError(f"'dtype' = 'fp16' needs a CUDA device (got {cfg.device}); use bf16 or fp32")
+    if cfg.dtype == "bf16" and cfg.device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"'dtype' = 'bf16' is not supported on {torch.cuda.get_device_name()}; use fp16 or fp32")
+    if cfg.kernels == "triton" and not kernels.available():
+        raise ConfigError(
+            "'kernels' = 'triton' cannot run here: it needs Triton and a CUDA device "
+            "(or TRITON_INTERPRET=1 on a CPU, slowly); use 'auto'"
+        )
+    if cfg.float8:
+        float8.check(torch.device(cfg.device))
 
 
 def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainConfig:
@@ -467,50 +374,6 @@ def to_toml(cfg: TrainConfig) -> str:
         return repr(v)
 
     return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
-
-
-def model_config(
-    cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = None, doc_token: int | None = None
-) -> ModelConfig:
-    """The preset (or `base`, a model to start from, whose shape the keys may not change) with the
-    shape keys given on top; its vocab widened to the data's when the data needs more (e.g. GPT-2
-    ids in FineWeb shards; `tiny` always takes the data's), and long enough for the run's seq_len.
-    `doc_token` is the data's document token (None: it has none), which --attention document needs."""
-    overrides = shape_keys(cfg)
-    if base is not None:
-        for k, v in overrides.items():
-            if k != "max_seq_len" and v != getattr(base, k):
-                raise ConfigError(f"'{k}' = {v!r} disagrees with the model of --init-from ({getattr(base, k)!r})")
-        if data_vocab > base.vocab_size:
-            raise ConfigError(
-                f"the data's vocab ({data_vocab}) is larger than the vocab of --init-from "
-                f"{cfg.init_from} ({base.vocab_size}): prepare the data with its tokenizer"
-            )
-    m = dataclasses.replace(base or PRESETS[cfg.preset], **overrides)
-    if "vocab_size" in overrides and 0 < m.vocab_size < data_vocab:
-        raise ConfigError(f"'vocab_size' = {m.vocab_size} is smaller than the data's vocab ({data_vocab})")
-    m.vocab_size = max(m.vocab_size, data_vocab)
-    if "max_seq_len" in overrides and cfg.seq_len > m.max_seq_len:
-        raise ConfigError(f"'seq_len' = {cfg.seq_len} is longer than 'max_seq_len' = {m.max_seq_len}")
-    m.max_seq_len = max(m.max_seq_len, cfg.seq_len)
-    m.attention, m.doc_token = cfg.attention, doc_token if cfg.attention == "document" else None
-    return m.check()
-
-
-def describe_presets() -> str:
-    """One line per preset: shape, parameters, default batch."""
-    lines = []
-    for name, m in PRESETS.items():
-        params = f"{m.num_params():,} params" if m.vocab_size else "vocab from the data"
-        kv = f", {m.kv_heads} kv heads" if m.kv_heads != m.n_heads else ""
-        tied = "tied" if m.tie_embeddings else "untied"
-        micro, accum = PRESET_BATCH[name]
-        lines.append(
-            f"  {name:6} {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads{kv}, ffn {m.ffn_dim}, "
-            f"vocab {m.vocab_size or 'data'}, seq {m.max_seq_len}, {tied}: {params}; "
-            f"batch {micro} x {accum} accum"
-        )
-    return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -16,8 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fastpt.errors import DataError
+from fastpt.config import TrainConfig
+from fastpt.distributed import Dist, barrier
+from fastpt.errors import ConfigError, DataError
 from fastpt.files import write_atomic
+from fastpt.hf import hf_tokenizer_path, load_hf
+from fastpt.presets import PRESETS, ModelConfig, model_config
 from fastpt.shards import INCOMPLETE, MAX_VOCAB, content_key, read_shard, shard_vocab
 from fastpt.tokenizer import load_tokenizer, read_nanogpt_meta, same_tokenizer
 from fastpt.windows import BosWindows, Mixture, Windows, WindowSet
@@ -391,3 +396,84 @@ def describe_data(sources: list[Source], train: WindowSet, val: WindowSet) -> st
             f"{len(v.shards)} val ({sum(map(len, v.tokens)):,} tokens)"
         )
     return " + ".join(out)
+
+
+MANY_EPOCHS = 4  # a run that reads its training windows more often than this mostly memorizes them
+
+
+def packing_warning(train: WindowSet, windows_per_step: int, max_steps: int) -> str | None:
+    """One line when --packing bos leaves the run little to learn from: it drops more than half of a
+    source's tokens, or the run reads its windows more than MANY_EPOCHS times."""
+    bos = [part for part in getattr(train, "parts", [train]) if isinstance(part, BosWindows)]
+    if not bos:
+        return None
+    worst = max(bos, key=lambda part: part.dropped)
+    epochs = windows_per_step * max_steps / len(train)
+    if worst.dropped <= 0.5 and epochs <= MANY_EPOCHS:
+        return None
+    return (
+        f"fastpt: warning: --packing bos drops {worst.dropped:.1%} of {worst.shards[0].parent}'s tokens "
+        f"(documents longer than seq_len + 1 keep only their first window) and leaves {len(train):,} windows, "
+        f"which {max_steps:,} steps read {epochs:.1f} times: expect the validation loss to climb; "
+        "--packing concat keeps every token"
+    )
+
+
+# ---- a training run's data
+
+
+@dataclass
+class Data:
+    sources: list[Source]  # the prepared folders of --data (several for a mixture)
+    train: WindowSet
+    val: WindowSet
+    loader: TrainLoader
+    model_config: ModelConfig  # the preset (or --init-from's shape) fitted to the data's vocab and seq_len
+    init_weights: dict | None  # --init-from's weights, fastpt-named
+
+    @property
+    def dir(self) -> Path:  # the first source: its tokenizer is the run's
+        return self.sources[0].folder
+
+
+def default_data(cfg: TrainConfig, d: Dist, init_tokenizer: Path | None) -> Path:
+    """The default corpus, prepared once by rank 0 (the others wait, then find it complete)."""
+    from fastpt.prepare import default_corpus
+
+    vocab_hint = cfg.vocab_size or PRESETS[cfg.preset].vocab_size or 4096  # BPE size (tiny takes the data's)
+    if cfg.init_from and init_tokenizer is None:  # a BPE of our own would give its ids another meaning
+        raise ConfigError(
+            f"{cfg.init_from} has no tokenizer.json to prepare the default corpus with: "
+            "give --data prepared with the model's tokenizer"
+        )
+    if d.is_main:
+        default_corpus(vocab_hint, init_tokenizer)
+    barrier(d)
+    return default_corpus(vocab_hint, init_tokenizer)
+
+
+def warn_if_other_tokenizer(data_dir: Path, init_tokenizer: Path) -> None:
+    data_tokenizer = data_dir / "tokenizer.json"
+    if data_tokenizer.is_file() and not same_tokenizer(init_tokenizer, data_tokenizer):
+        print(
+            f"fastpt: warning: {data_dir} was not prepared with {init_tokenizer}: its ids mean other tokens "
+            f"to the model of --init-from (prepare it with --tokenizer {init_tokenizer})",
+            file=sys.stderr,
+        )
+
+
+def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
+    """Memory-mapped shards (the default corpus without --data), token ids checked against the
+    vocab once, the model config that fits them (with --init-from: that model's, and its weights)."""
+    init = load_hf(cfg.init_from) if cfg.init_from else None  # (ModelConfig, fastpt-named state)
+    init_tokenizer = hf_tokenizer_path(cfg.init_from) if init else None
+    sources = data_sources(cfg.data) or [Source(default_data(cfg, d, init_tokenizer))]
+    vocab = common_vocab(sources, cfg.data_format)
+    if d.is_main and init_tokenizer:
+        warn_if_other_tokenizer(sources[0].folder, init_tokenizer)
+    document = doc_token(sources[0].folder, "'attention' = 'document'") if cfg.attention == "document" else None
+    mcfg = model_config(cfg, vocab, init[0] if init else None, document)
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    train, val = open_windows(sources, seq_len, cfg.packing, cfg.data_format, mcfg.vocab_size)
+    loader = TrainLoader(train, cfg.micro_batch, cfg.seed, device, d.rank, d.world_size)
+    return Data(sources, train, val, loader, mcfg, init[1] if init else None)

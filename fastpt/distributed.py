@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,40 @@ def report_lost_ranks(d: Dist):
         )
         sys.stdout.flush()
         os._exit(1)
+
+
+class Preemption:
+    """While entered and armed (the loop has started), SIGTERM / SIGINT ask the loop to checkpoint
+    after the current step and exit cleanly; a second Ctrl-C does not wait for a step that takes too
+    long (the last checkpoint stands). Before the loop, with nothing to save, a signal does what it
+    did before. On exit the handlers found on entry are back, so an in-process caller keeps its own."""
+
+    def __init__(self):
+        self.requested = False
+        self.armed = False
+        self.previous: dict[int, object] = {}
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():  # where Python delivers signals
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():  # None: installed outside Python, i.e. the default
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+    def _handle(self, signum, frame):
+        if not self.armed:
+            previous = self.previous[signum]
+            if callable(previous):  # Python's own SIGINT handler: KeyboardInterrupt
+                return previous(signum, frame)
+            if previous != signal.SIG_IGN:  # the default: die of the signal, as without us
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
 
 
 def teardown(d: Dist) -> None:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from fastpt.config import ModelConfig
 from fastpt.errors import CheckpointError, ConfigError, require
 from fastpt.files import write_error
 from fastpt.model import Transformer
+from fastpt.presets import ModelConfig
 from fastpt.tokenizer import EOT
 
 __all__ = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import math
@@ -11,13 +12,17 @@ import re
 import resource
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fastpt.errors import require
-from fastpt.files import clear_temporaries, write_atomic
+from fastpt.config import TrainConfig, to_toml
+from fastpt.data import Data, describe_data
+from fastpt.errors import ConfigError, require
+from fastpt.files import clear_temporaries, owned_folder, write_atomic
+from fastpt.tokenizer import copy_for_run
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), by a substring of the device name.
 PEAK_BF16_FLOPS = {
@@ -118,6 +123,22 @@ class Dashboard:
     device: torch.device
     z_loss: bool  # the run trains with a z-loss term: log it
     compile: bool  # the run is compiled: show recompiles
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, flops_per_token: float, seq_len: int, device: torch.device, world_size: int):
+        """The dashboard of a run of `cfg` over all its ranks: tokens and FLOPs per step, the GPU's peak."""
+        tokens_per_step = cfg.micro_batch * seq_len * cfg.grad_accum * world_size
+        peak = peak_flops(device_name(device)) if device.type == "cuda" else None
+        return cls(
+            max_steps=cfg.max_steps,
+            tokens_per_step=tokens_per_step,
+            world_size=world_size,
+            flops_per_step=flops_per_token * tokens_per_step,
+            peak_flops=peak,
+            device=device,
+            z_loss=cfg.z_loss > 0,
+            compile=cfg.compile,
+        )
 
     def record(
         self, state, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_s: float, recompiles: int
@@ -228,3 +249,56 @@ class MetricsLogger:
             self._warn(e)
         if self.wandb is not None:
             self.wandb.finish()
+
+
+# ---- a training run's folder and first lines
+
+
+def unwritable(cfg: TrainConfig, e: OSError) -> ConfigError:
+    return ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})")
+
+
+def own_run_folder(cfg: TrainConfig, cleanup: ExitStack) -> None:
+    """One trainer per run folder, until `cleanup` closes: a second one is refused before it touches
+    anything, and a run refused before it wrote anything leaves no folder behind (files.owned_folder)."""
+    try:
+        cleanup.enter_context(owned_folder(Path(cfg.out), "trainer"))
+    except OSError as e:
+        raise unwritable(cfg, e) from None
+
+
+def write_run_folder(cfg: TrainConfig, data_dir: Path, step: int) -> MetricsLogger:
+    """config.toml, the data's tokenizer (the run folder alone is enough for fastpt.sample),
+    metrics.jsonl rewound to `step`; returns the logger that appends to it."""
+    run_dir = Path(cfg.out)
+    try:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        copy_for_run(data_dir, run_dir)
+        rewind(run_dir / "metrics.jsonl", step)
+    except OSError as e:
+        raise unwritable(cfg, e) from None
+    return MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb)
+
+
+def speed_choices(cfg: TrainConfig) -> str:
+    """What the summary line adds after 'compile True': the compile mode, AC, float8."""
+    return (
+        (f" ({cfg.compile_mode})" if cfg.compile and cfg.compile_mode != "default" else "")
+        + (f" | AC {cfg.activation_checkpointing}" if cfg.activation_checkpointing != "none" else "")
+        + (" | float8" if cfg.float8 else "")
+    )
+
+
+def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[str]:
+    """The two lines a run starts with: where it writes and what it trains, then on what data."""
+    peak, seq_len, device = dash.peak_flops, data.train.seq_len, dash.device
+    return [
+        f"run {cfg.out} | device {device_name(device)} x {dash.world_size} | "
+        + (f"init from {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset}")
+        + f" | params {params:,} | dtype {cfg.dtype} | compile {cfg.compile}{speed_choices(cfg)} | "
+        f"kernels {cfg.kernels} | MFU "
+        + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"),
+        f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
+        f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
+        f"{dash.world_size} ranks) | {cfg.max_steps:,} steps = {dash.tokens_per_step * cfg.max_steps:,} tokens",
+    ]

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastpt import kernels
 from fastpt.attention import attend, document_mask
-from fastpt.config import ModelConfig
+from fastpt.presets import ModelConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 

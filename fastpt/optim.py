@@ -141,3 +141,10 @@ def step_all(optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScal
         return  # scaler.update() still lowers the scale: unscale_ recorded the overflow
     for optimizer in optimizers:
         scaler.step(optimizer)
+
+
+def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
+    """Every group at `lr` times its lr_scale: Muon's group runs at muon_lr on the same curve."""
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)

@@ -31,8 +31,8 @@ import numpy as np
 from tqdm import tqdm
 
 from fastpt import files
-from fastpt.config import PRESETS
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
+from fastpt.presets import PRESETS
 from fastpt.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
 from fastpt.sources import Source, documents, find_sources
 from fastpt.tokenizer import KINDS, build_tokenizer, tokenizer_from_json

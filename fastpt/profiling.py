@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
+from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, profile_steps
+
 
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far."""
@@ -36,16 +38,9 @@ class StepProbe:
     graphs were asked for but skipped, and records steps START..END with torch.profiler into
     out_dir: a Chrome / TensorBoard trace per rank, and on CUDA a memory snapshot."""
 
-    def __init__(
-        self,
-        steps: tuple[int, int] | None,
-        out_dir: Path,
-        device: torch.device,
-        rank: int = 0,
-        cuda_graphs: bool = False,
-    ):
-        self.steps, self.out_dir, self.device, self.rank = steps, Path(out_dir), device, rank
-        self.cuda_graphs = cuda_graphs  # the compile mode asked for CUDA graphs
+    def __init__(self, cfg: TrainConfig, device: torch.device, rank: int = 0):
+        self.steps, self.out_dir, self.device, self.rank = profile_steps(cfg), Path(cfg.out) / "profile", device, rank
+        self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES  # asked for CUDA graphs
         self.warm = False  # past this process's first step, which compiles
         self.window_recompiles = 0
         self.profiler: profile | None = None

@@ -10,9 +10,9 @@ import torch
 
 from conftest import TINY, assert_one_line_error, run_main
 from fastpt import train
-from fastpt.data import TrainLoader, doc_token
+from fastpt.data import MANY_EPOCHS, TrainLoader, doc_token, packing_warning
 from fastpt.shards import write_shard
-from fastpt.windows import BosWindows, best_fit
+from fastpt.windows import BosWindows, Windows, best_fit
 
 DOC = 1000  # the document token of the synthetic shards
 HEAD, LONG = 998, 999  # ids of a shard's leading partial document and of a long document
@@ -109,7 +109,28 @@ def test_bos_trains_and_the_summary_says_what_it_drops(tiny_data, tmp_path, caps
     summary = next(line for line in out.splitlines() if line.startswith("data "))
     assert "| packing bos |" in summary and "bos drops" in summary
     dropped = float(summary.split("bos drops ")[1].split("%")[0])
-    assert 0 < dropped < 100
+    assert 50 < dropped < 100  # whole source files at seq_len 32: the run says so, once
+    warnings = [line for line in err.splitlines() if line.startswith("fastpt: warning: --packing bos drops")]
+    assert len(warnings) == 1 and f"{dropped:.1f}% of {tiny_data}'s tokens" in warnings[0], err
+
+
+def test_bos_warns_when_the_run_reads_its_windows_too_often(tmp_path):
+    """Short documents drop little; the warning comes only once the run would read them > 4 times."""
+    windows = BosWindows(
+        [write_docs(tmp_path / "train_000000.bin", documents(np.random.default_rng(2), 400, 24))], 32, DOC
+    )
+    assert windows.dropped < 0.5
+    per_step = 8
+    enough = int(MANY_EPOCHS * len(windows) / per_step)
+    assert packing_warning(windows, per_step, enough) is None
+    warning = packing_warning(windows, per_step, enough + 10)
+    assert (
+        warning
+        and f"leaves {len(windows):,} windows" in warning
+        and f"read {per_step * (enough + 10) / len(windows):.1f} times" in warning
+    )
+    concat = Windows([tmp_path / "train_000000.bin"], 32)
+    assert packing_warning(concat, per_step, 100 * enough) is None  # concat: not a packing that drops
 
 
 def test_bos_on_data_without_a_document_token_is_one_line_naming_the_folder(tmp_path, capsys):

@@ -101,16 +101,12 @@ def test_kv_cache_generation_equals_full_recompute(run_dir):
     assert sample.generate(model, prompt, 30, temperature=1.0, top_k=1) == cached  # top-1 is greedy
 
 
-def test_a_checkpoint_of_an_older_release_samples(run_dir, tmp_path):
-    """Checkpoints written before the kernel choice left the architecture carry model_config['kernels']
-    (a GPU run's 'triton'); they still load, and sample on a CPU."""
+def test_a_checkpoint_with_an_unknown_model_field_is_one_line(run_dir, tmp_path, capsys):
     ckpt = checkpoint.load(checkpoint.latest(run_dir))
-    ckpt["model_config"]["kernels"] = "triton"
+    ckpt["model_config"]["kernels"] = "triton"  # a runtime choice, never a model field
     torch.save(ckpt, tmp_path / "ckpt_00000005.pt")
-    model = Transformer.from_checkpoint(tmp_path / "ckpt_00000005.pt", torch.device("cpu"))[0]
-    assert sample.generate(model, [256], 3, temperature=0) == sample.generate(
-        load_model(run_dir), [256], 3, temperature=0
-    )
+    code, _, err = run_main(sample.main, ["--ckpt", str(tmp_path / "ckpt_00000005.pt"), "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, "model config has fields this fastpt does not know: kernels")
 
 
 def test_generation_continues_past_the_context_window():
