@@ -1,4 +1,4 @@
-"""Shared fixtures: a small real corpus prepared once per session, and a trainer runner."""
+"""Shared fixtures: a small real corpus prepared once per session, a trainer runner and its arguments."""
 
 from __future__ import annotations
 
@@ -58,6 +58,32 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 TINY = ("--device", "cpu", "--preset", "tiny", "--dtype", "fp32", "--seq-len", "32", "--micro-batch", "4")
+
+
+def tiny_args(data: Path, out: Path, *extra: str, **flags: object) -> list[str]:
+    """fastpt.train's arguments for a TINY run on `data` into `out`: each keyword is its flag
+    (max_steps=4 is `--max-steps 4`, compile=True `--compile`, False `--no-compile`), then `extra`
+    as written (a flag given twice: the later one wins, so a keyword can override TINY's)."""
+    args = [*TINY, "--data", str(data), "--out", str(out)]
+    for name, value in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else flag.replace("--", "--no-", 1))
+        else:
+            args += [flag, str(value)]
+    return [*args, *extra]
+
+
+def eager_and_compiled(
+    data: Path, out: Path, *compile_flags: str, **flags: object
+) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
+    """One tiny run's config trained twice, under --compile (and `compile_flags`) in out/compiled and
+    eager in out/eager, both exiting 0: the compiled process, its train records and the eager run's."""
+    compiled = run_train(*tiny_args(data, out / "compiled", "--compile", *compile_flags, **flags), timeout=900)
+    assert compiled.returncode == 0, compiled.stderr
+    eager = run_train(*tiny_args(data, out / "eager", **flags))
+    assert eager.returncode == 0, eager.stderr
+    return compiled, read_metrics(out / "compiled"), read_metrics(out / "eager")
 
 
 def assert_one_line_error(code: int, err: str, *named: str, expected_code: int = 2) -> None:

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run_main, train_refuses
+from conftest import eager_and_compiled, read_metrics, run_main, run_train, tiny_args, train_refuses
 from fastpt import attention, train
 from fastpt import model as model_module
 from fastpt.config import ModelConfig
@@ -135,7 +135,7 @@ def test_document_attention_on_data_without_a_document_token_is_one_line(tiny_da
         shutil.copy(shard, bare / shard.name)
     train_refuses(
         capsys,
-        [*TINY, "--data", str(bare), "--out", str(tmp_path / "run"), "--attention", "document"],
+        tiny_args(bare, tmp_path / "run", attention="document"),
         "'attention' = 'document'",
         str(bare),
     )
@@ -143,27 +143,8 @@ def test_document_attention_on_data_without_a_document_token_is_one_line(tiny_da
 
 def test_training_with_document_attention_records_the_token(tiny_data, tmp_path, capsys):
     out = tmp_path / "run"
-    code, _, err = run_main(
-        train.main,
-        [
-            *TINY,
-            "--data",
-            str(tiny_data),
-            "--out",
-            str(out),
-            "--max-steps",
-            "4",
-            "--log-every",
-            "2",
-            "--eval-every",
-            "4",
-            "--eval-tokens",
-            "256",
-            "--attention",
-            "document",
-        ],
-        capsys,
-    )
+    args = tiny_args(tiny_data, out, max_steps=4, log_every=2, eval_every=4, eval_tokens=256, attention="document")
+    code, _, err = run_main(train.main, args, capsys)
     assert code == 0, err
     from fastpt import checkpoint
 
@@ -196,32 +177,11 @@ def test_compiled_document_attention_isolates_documents_without_recompiling(mask
 @pytest.mark.slow
 def test_compiled_training_with_document_attention_follows_eager_without_recompiles(tiny_data, tmp_path):
     """The loop under --compile: one graph for every batch's document layout (evals' too), the eager losses."""
-    from conftest import run_train
-
-    common = (
-        *TINY,
-        "--data",
-        str(tiny_data),
-        "--max-steps",
-        "4",
-        "--log-every",
-        "2",
-        "--eval-every",
-        "2",
-        "--eval-tokens",
-        "192",
-        "--attention",
-        "document",
+    _, records, eager = eager_and_compiled(
+        tiny_data, tmp_path, max_steps=4, log_every=2, eval_every=2, eval_tokens=192, attention="document"
     )
-    result = run_train(*common, "--out", str(tmp_path / "compiled"), "--compile", timeout=900)
-    assert result.returncode == 0, result.stderr
-    records = read_metrics(tmp_path / "compiled")
     assert [r["recompiles"] for r in records] == [0, 0]
-    eager = run_train(*common, "--out", str(tmp_path / "eager"))
-    assert eager.returncode == 0, eager.stderr
-    assert [r["loss"] for r in records] == pytest.approx(
-        [r["loss"] for r in read_metrics(tmp_path / "eager")], rel=1e-4
-    )
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
 
 
 @pytest.mark.slow
@@ -269,13 +229,12 @@ def test_activation_checkpointing_recomputes_the_same_document_attention():
 def test_document_attention_trains_alike_on_the_triton_kernels(tiny_data, tmp_path):
     """--kernels triton (RMSNorm and the fused loss through Triton's interpreter on this CPU) beside
     the document mask: the same losses as the PyTorch reference kernels."""
-    from conftest import run_train
-
-    common = (*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "3")
-    common += ("--eval-tokens", "128", "--attention", "document")
-    triton = run_train(*common, "--out", str(tmp_path / "triton"), "--kernels", "triton", env={"TRITON_INTERPRET": "1"})
+    flags = dict(max_steps=3, log_every=1, eval_every=3, eval_tokens=128, attention="document")
+    triton = run_train(
+        *tiny_args(tiny_data, tmp_path / "triton", kernels="triton", **flags), env={"TRITON_INTERPRET": "1"}
+    )
     assert triton.returncode == 0, triton.stderr
-    reference = run_train(*common, "--out", str(tmp_path / "torch"), "--kernels", "torch")
+    reference = run_train(*tiny_args(tiny_data, tmp_path / "torch", kernels="torch", **flags))
     assert reference.returncode == 0, reference.stderr
     losses = [[r["loss"] for r in read_metrics(tmp_path / kind)] for kind in ("triton", "torch")]
     assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-4)

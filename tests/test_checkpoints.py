@@ -13,28 +13,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import TINY, assert_one_line_error, read_metrics, run_main, run_train
+from conftest import assert_one_line_error, read_metrics, run_main, run_train, tiny_args
 from fastpt import checkpoint, export, sample, train
 
 
 def run_args(data: Path, out: Path, *extra: str) -> list[str]:
     """6 steps, every step logged, checkpoints at 4 and 6."""
-    return [
-        *TINY,
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--max-steps",
-        "6",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "3",
-        "--ckpt-every",
-        "4",
-        *extra,
-    ]
+    return tiny_args(data, out, *extra, max_steps=6, log_every=1, eval_every=3, ckpt_every=4)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import TINY, read_metrics, run_main, run_train
+from conftest import eager_and_compiled, read_metrics, run_main, run_train, tiny_args
 from fastpt import train
 from fastpt.config import PRESET_BATCH, PRESETS, TrainConfig, load_toml, resolve, to_toml
 from fastpt.data import TrainLoader, Windows
@@ -242,13 +242,9 @@ def test_config_precedence_file_errors_and_round_trip(tmp_path):
 
 
 def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path, capsys):
-    common = [*TINY, "--data", str(tiny_data), "--max-steps", "4", "--log-every", "1", "--eval-every", "100"]
     for name, micro_batch, accum in (("a", "8", "1"), ("b", "2", "4")):
-        code, _, err = run_main(
-            train.main,
-            common + ["--micro-batch", micro_batch, "--grad-accum", accum, "--out", str(tmp_path / name)],
-            capsys,
-        )
+        args = tiny_args(tiny_data, tmp_path / name, max_steps=4, log_every=1, eval_every=100)
+        code, _, err = run_main(train.main, args + ["--micro-batch", micro_batch, "--grad-accum", accum], capsys)
         assert code == 0, err
     a, b = [r["loss"] for r in read_metrics(tmp_path / "a")], [r["loss"] for r in read_metrics(tmp_path / "b")]
     assert len(a) == 4
@@ -257,31 +253,10 @@ def test_micro_batch_times_accum_gives_the_same_losses(tiny_data, tmp_path, caps
 
 def test_tiny_run_on_real_text_learns_and_writes_its_run_dir(bpe_data, tmp_path, capsys):
     out = tmp_path / "run"
-    code, stdout, err = run_main(
-        train.main,
-        [
-            *TINY,
-            "--data",
-            str(bpe_data),
-            "--out",
-            str(out),
-            "--max-steps",
-            "60",
-            "--seq-len",
-            "64",
-            "--micro-batch",
-            "8",
-            "--lr",
-            "3e-3",
-            "--warmup-steps",
-            "10",
-            "--eval-every",
-            "30",
-            "--log-every",
-            "10",
-        ],
-        capsys,
+    args = tiny_args(
+        bpe_data, out, max_steps=60, seq_len=64, micro_batch=8, lr="3e-3", warmup_steps=10, eval_every=30, log_every=10
     )
+    code, stdout, err = run_main(train.main, args, capsys)
     assert code == 0, err
     assert "Step    60/60 | Loss:" in stdout and "tok/s" in stdout
     losses = [r["loss"] for r in read_metrics(out)]
@@ -294,7 +269,7 @@ def test_tiny_run_on_real_text_learns_and_writes_its_run_dir(bpe_data, tmp_path,
 
 
 def test_checkpoint_resume_continues_at_the_right_step(tiny_data, tmp_path, capsys):
-    common = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--log-every", "1", "--eval-every", "100"]
+    common = tiny_args(tiny_data, tmp_path, log_every=1, eval_every=100)
     code, _, err = run_main(train.main, common + ["--max-steps", "4", "--ckpt-every", "2"], capsys)
     assert code == 0, err
     ckpt = torch.load(tmp_path / "ckpt_00000004.pt", weights_only=True)  # nothing but tensors and plain values
@@ -311,26 +286,7 @@ def test_checkpoint_resume_continues_at_the_right_step(tiny_data, tmp_path, caps
 def test_cuda_bf16_run_with_kernels_resumes(tiny_data, tmp_path):
     """The loop's CUDA path (bf16 autocast, Triton kernels, pinned batches, eval) and a resume from
     a checkpoint loaded onto the GPU (its RNG state comes back as CUDA tensors)."""
-    common = (
-        "--device",
-        "cuda",
-        "--preset",
-        "tiny",
-        "--dtype",
-        "bf16",
-        "--kernels",
-        "triton",
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "4",
-        "--data",
-        str(tiny_data),
-        "--out",
-        str(tmp_path),
-        "--log-every",
-        "1",
-    )
+    common = tiny_args(tiny_data, tmp_path, device="cuda", dtype="bf16", kernels="triton", log_every=1)
     first = run_train(*common, "--max-steps", "2")
     assert first.returncode == 0, first.stderr
     resumed = run_train(*common, "--max-steps", "3", "--resume")
@@ -342,25 +298,17 @@ def test_cuda_bf16_run_with_kernels_resumes(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_eager_and_compiled_losses_agree(tiny_data, tmp_path):
-    common = (*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "100")
-    eager = run_train(*common, "--out", str(tmp_path / "eager"))
-    compiled = run_train(*common, "--out", str(tmp_path / "compiled"), "--compile", timeout=900)
-    assert eager.returncode == 0, eager.stderr
-    assert compiled.returncode == 0, compiled.stderr
+    compiled, records, eager = eager_and_compiled(tiny_data, tmp_path, max_steps=3, log_every=1, eval_every=100)
     assert "compile True" in compiled.stdout
-    np.testing.assert_allclose(
-        [r["loss"] for r in read_metrics(tmp_path / "compiled")],
-        [r["loss"] for r in read_metrics(tmp_path / "eager")],
-        rtol=1e-4,
-    )
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in eager], rtol=1e-4)
 
 
 def test_z_loss_is_trained_on_and_logged_apart(tiny_data, tmp_path, capsys):
     """--z-loss 0 is the plain loss; --z-loss c logs the cross-entropy as `loss` (step 1, before any
     update, equals the plain run's) and c * logsumexp^2 as `z_loss` (near c * ln(V)^2 at init)."""
-    common = [*TINY, "--data", str(tiny_data), "--max-steps", "3", "--log-every", "1", "--eval-every", "100"]
     for z in ("0", "0.01"):
-        code, out, err = run_main(train.main, common + ["--out", str(tmp_path / z), "--z-loss", z], capsys)
+        args = tiny_args(tiny_data, tmp_path / z, max_steps=3, log_every=1, eval_every=100, z_loss=z)
+        code, out, err = run_main(train.main, args, capsys)
         assert code == 0, err
     plain, z = read_metrics(tmp_path / "0"), read_metrics(tmp_path / "0.01")
     assert "z_loss" not in plain[0] and "| Z: " in out

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train, train_refuses
+from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train, tiny_args, train_refuses
 from fastpt import checkpoint, metrics
 from fastpt.shards import write_shard
 
@@ -90,28 +90,10 @@ def run_faulty(fault: str, at: int | str, *args: str) -> subprocess.CompletedPro
     )
 
 
-def run_args(data: Path, out: Path, *extra: str) -> tuple[str, ...]:
+def run_args(data: Path, out: Path, *extra: str) -> list[str]:
     """10 steps of 2 micro-batches, every step logged, checkpoints at 4 and 8 (keep 2) and the end."""
-    return (
-        *TINY,
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--max-steps",
-        "10",
-        "--grad-accum",
-        "2",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "5",
-        "--ckpt-every",
-        "4",
-        "--keep-checkpoints",
-        "2",
-        *extra,
-    )
+    flags = dict(max_steps=10, grad_accum=2, log_every=1, eval_every=5, ckpt_every=4, keep_checkpoints=2)
+    return tiny_args(data, out, *extra, **flags)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float]]:

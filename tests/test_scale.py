@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY, read_metrics, run_train, train_refuses
+from conftest import eager_and_compiled, read_metrics, run_train, tiny_args, train_refuses
 from fastpt import float8, train
 from fastpt.config import PRESETS
 from fastpt.data import Windows, find_shards
@@ -113,9 +113,7 @@ def test_fsdp_compiles_each_block_and_one_process_the_whole_model(tmp_path):
     ],
 )
 def test_bad_lever_settings_are_one_line(tiny_data, tmp_path, capsys, extra, expected):
-    train_refuses(
-        capsys, [*TINY, "--data", str(tiny_data), "--out", str(tmp_path), "--max-steps", "10", *extra], expected
-    )
+    train_refuses(capsys, tiny_args(tiny_data, tmp_path, *extra, max_steps=10), expected)
 
 
 def test_float8_converts_the_blocks_linears_only():
@@ -132,21 +130,7 @@ def test_float8_converts_the_blocks_linears_only():
 
 
 def test_profile_writes_a_trace_with_the_step_annotations(tiny_data, tmp_path):
-    result = run_train(
-        *TINY,
-        "--data",
-        str(tiny_data),
-        "--out",
-        str(tmp_path),
-        "--max-steps",
-        "6",
-        "--log-every",
-        "2",
-        "--eval-every",
-        "100",
-        "--profile",
-        "3:5",
-    )
+    result = run_train(*tiny_args(tiny_data, tmp_path, max_steps=6, log_every=2, eval_every=100, profile="3:5"))
     assert result.returncode == 0, result.stderr
     (trace,) = (tmp_path / "profile").iterdir()
     assert trace.name == "rank0_steps3-5.pt.trace.json"
@@ -169,31 +153,14 @@ def test_profile_writes_a_trace_with_the_step_annotations(tiny_data, tmp_path):
 def test_each_compile_mode_trains_without_recompiles(tiny_data, tmp_path, mode):
     """Every mode compiles once and then never again, evals included (their last batch is partial:
     6 windows in batches of 4). CUDA graphs on a CPU: the run says in one line it goes without."""
-    common = (
-        *TINY,
-        "--data",
-        str(tiny_data),
-        "--max-steps",
-        "4",
-        "--log-every",
-        "2",
-        "--eval-every",
-        "2",
-        "--eval-tokens",
-        "192",
+    result, records, eager = eager_and_compiled(
+        tiny_data, tmp_path, "--compile-mode", mode, max_steps=4, log_every=2, eval_every=2, eval_tokens=192
     )
-    result = run_train(*common, "--out", str(tmp_path), "--compile", "--compile-mode", mode, timeout=900)
-    assert result.returncode == 0, result.stderr
     assert f"compile True{'' if mode == 'default' else f' ({mode})'}" in result.stdout
-    records = read_metrics(tmp_path)
     assert [r["recompiles"] for r in records] == [0, 0] and "Recompiles: 0" in result.stdout
     skipped = "the compile mode asks for CUDA graphs, but torch.compile ran"
     assert (skipped in result.stderr) == (mode in ("reduce-overhead", "max-autotune")), result.stderr
-    eager = run_train(*common, "--out", str(tmp_path / "eager"))
-    assert eager.returncode == 0, eager.stderr
-    assert [r["loss"] for r in records] == pytest.approx(
-        [r["loss"] for r in read_metrics(tmp_path / "eager")], rel=1e-4
-    )
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
 
 
 @pytest.mark.slow
@@ -215,36 +182,9 @@ def test_evaluation_compiles_once_for_its_partial_batch(tiny_data):
 def test_cuda_graphs_and_profile_on_cuda(tiny_data, tmp_path):
     """reduce-overhead really replays CUDA graphs (none skipped, no recompiles, evals included), and
     --profile on CUDA writes the memory snapshot beside the trace."""
-    result = run_train(
-        "--device",
-        "cuda",
-        "--preset",
-        "tiny",
-        "--dtype",
-        "bf16",
-        "--seq-len",
-        "32",
-        "--micro-batch",
-        "4",
-        "--data",
-        str(tiny_data),
-        "--out",
-        str(tmp_path),
-        "--max-steps",
-        "6",
-        "--log-every",
-        "2",
-        "--eval-every",
-        "2",
-        "--eval-tokens",
-        "192",
-        "--compile",
-        "--compile-mode",
-        "reduce-overhead",
-        "--profile",
-        "4:5",
-        timeout=600,
-    )
+    on_cuda = dict(device="cuda", dtype="bf16", compile=True, compile_mode="reduce-overhead", profile="4:5")
+    args = tiny_args(tiny_data, tmp_path, max_steps=6, log_every=2, eval_every=2, eval_tokens=192, **on_cuda)
+    result = run_train(*args, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "without them" not in result.stderr
     assert [r["recompiles"] for r in read_metrics(tmp_path)] == [0, 0, 0]
