@@ -23,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.common import REPO, env_info, markdown_table, write_json
 from fastpt import distributed, plan
-from fastpt.config import parse_args, resolve
+from fastpt.cli import parse_args
+from fastpt.config import resolve
 
 # CPU runs: the plan against the allocator (tiny shapes, so the real steps run in seconds; the
 # compiled ones pay Inductor's C++ compile, a minute or more on a loaded 2-core machine)

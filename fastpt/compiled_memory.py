@@ -111,10 +111,11 @@ class Lowering:
         return bool(node.users) and all(is_kernel(r) for r in readers(node)) and not reused and not too_big
 
     def _overwritable(self, node: torch.fx.Node, order: dict, backward: bool) -> torch.fx.Node | None:
-        """An input the kernel computing node reads last, of its size and dtype: a value of this graph
-        or, in a backward, a saved activation (donated to it); never a parameter or a gradient input."""
+        """The first input, in graph order, that the kernel computing node reads last, of its size and
+        dtype: a value of this graph or, in a backward, a saved activation (donated to it); never a
+        parameter or a gradient input. Graph order keeps the choice the same in every process."""
         size = nbytes(node)
-        for read in self.reads[node]:
+        for read in sorted(self.reads[node], key=lambda r: order.get(r, -1)):
             if not isinstance(read, torch.fx.Node) or nbytes(read) != size:
                 continue
             if read.op == "placeholder" and not (backward and not read.name.startswith(("primals", "tangents"))):

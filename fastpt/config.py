@@ -1,5 +1,5 @@
 """The run's settings: TrainConfig, with every default, help line, choice and valid range in one
-place; their resolution, checks and the command line.
+place; their resolution and checks (the command line is fastpt.cli).
 
 Resolution order for a run: TrainConfig defaults < the preset's batch < device profile (CPU
 only) < TOML file < CLI. Model shape (fastpt.presets): the preset's ModelConfig < the shape keys given.
@@ -7,7 +7,6 @@ only) < TOML file < CLI. Model shape (fastpt.presets): the preset's ModelConfig 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import math
@@ -20,8 +19,8 @@ from typing import Any
 import torch
 
 from fastpt import float8, kernels
-from fastpt.errors import ArgumentParser, ConfigError
-from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, describe_presets, shape_keys
+from fastpt.errors import ConfigError
+from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, shape_keys
 from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names
 
 if sys.version_info >= (3, 11):
@@ -388,50 +387,3 @@ def to_toml(cfg: TrainConfig) -> str:
         return repr(v)
 
     return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
-
-
-def int_or_auto(text: str) -> int | str:
-    return text if text == AUTO else int(text)
-
-
-def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
-    """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
-    ap = ArgumentParser(
-        prog="python -m fastpt.train",
-        description="Pretrain a Llama-style model.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="presets:\n" + describe_presets() + "\n\nOn a CPU the defaults become a short "
-        "tiny-preset run: " + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()),
-    )
-    ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
-    ap.add_argument(
-        "--list-presets",
-        action="version",
-        version=describe_presets(),
-        help="print each preset's shape and size, then exit",
-    )
-    flags = ["--config", "--list-presets"]
-    for name, f in FIELDS.items():
-        flag = "--" + name.replace("_", "-")
-        flags.append(flag)
-        meta = f.metadata
-        allowed = (
-            f"; one of {', '.join(map(repr, meta['choices']))}"
-            if meta["choices"]
-            else f"; {meta['domain']}"
-            if meta["domain"]
-            else ""
-        )
-        default = "" if "the preset's by default" in meta["help"] else f" (default: {f.default!r})"
-        help_text = f"{meta['help']}{allowed}{default}".replace("%", "%%")
-        if FIELD_TYPES[name] is bool:
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
-        else:
-            kind = int_or_auto if name == "micro_batch" else FIELD_TYPES[name]
-            ap.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=name.upper())
-    args, unknown = ap.parse_known_args(argv)
-    if unknown:
-        hint = suggest(unknown[0].split("=")[0], flags)
-        raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
-    args = vars(args)
-    return args, args.pop("config", None)

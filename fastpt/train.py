@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from fastpt import checkpoint, distributed, float8, plan
 from fastpt.checkpoint import build_checkpointer, save_checkpoint, start_or_resume
-from fastpt.config import DTYPES, ModelConfig, TrainConfig, check_runtime, parse_args, pick_device, resolve
+from fastpt.cli import parse_args
+from fastpt.config import DTYPES, ModelConfig, TrainConfig, check_runtime, pick_device, resolve
 from fastpt.data import TrainLoader, build_data, packing_warning
 from fastpt.distributed import Preemption
 from fastpt.errors import print_or_drop, run_command

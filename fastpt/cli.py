@@ -1,0 +1,56 @@
+"""fastpt.train's command line: one flag per TrainConfig field, with its help, choices and range."""
+
+from __future__ import annotations
+
+import argparse
+
+from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, suggest
+from fastpt.errors import ArgumentParser, ConfigError
+from fastpt.presets import describe_presets
+
+
+def int_or_auto(text: str) -> int | str:
+    return text if text == AUTO else int(text)
+
+
+def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
+    """Only flags the user actually gave are returned, so the TOML file and defaults can fill in."""
+    ap = ArgumentParser(
+        prog="python -m fastpt.train",
+        description="Pretrain a Llama-style model.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="presets:\n" + describe_presets() + "\n\nOn a CPU the defaults become a short "
+        "tiny-preset run: " + ", ".join(f"{k}={v}" for k, v in CPU_PROFILE.items()),
+    )
+    ap.add_argument("--config", help="TOML file with the same keys (underscores); flags win over it")
+    ap.add_argument(
+        "--list-presets",
+        action="version",
+        version=describe_presets(),
+        help="print each preset's shape and size, then exit",
+    )
+    flags = ["--config", "--list-presets"]
+    for name, f in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        flags.append(flag)
+        meta = f.metadata
+        allowed = (
+            f"; one of {', '.join(map(repr, meta['choices']))}"
+            if meta["choices"]
+            else f"; {meta['domain']}"
+            if meta["domain"]
+            else ""
+        )
+        default = "" if "the preset's by default" in meta["help"] else f" (default: {f.default!r})"
+        help_text = f"{meta['help']}{allowed}{default}".replace("%", "%%")
+        if FIELD_TYPES[name] is bool:
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            kind = int_or_auto if name == "micro_batch" else FIELD_TYPES[name]
+            ap.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=name.upper())
+    args, unknown = ap.parse_known_args(argv)
+    if unknown:
+        hint = suggest(unknown[0].split("=")[0], flags)
+        raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
+    args = vars(args)
+    return args, args.pop("config", None)
