@@ -47,12 +47,18 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def device(self, kind: str) -> torch.device:
+        """This rank's device of that kind ("cuda" or "cpu")."""
+        return torch.device(f"cuda:{self.local_rank}" if kind == "cuda" else "cpu")
+
 
 ONE_PROCESS = Dist()  # a plain run's: nothing to reduce or sync
 
 
 def setup(device_type: str) -> Dist:
     """Join the torchrun process group (nccl on CUDA, gloo on CPU); a plain run is world size 1."""
+    if device_type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if "RANK" not in os.environ:
         return Dist()
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from fastpt import checkpoint, hf
-from fastpt.config import NON_NEGATIVE, POSITIVE, SEED
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.model import Transformer
+from fastpt.settings import NON_NEGATIVE, POSITIVE, SEED
 from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 

@@ -191,9 +191,7 @@ def too_many_skips(state: TrainState, max_skips: int, log) -> bool:
 def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen: str = "") -> int:
     """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop; `chosen`, what
     --micro-batch auto chose, joins the summary); returns the process exit code."""
-    device = torch.device(f"cuda:{d.local_rank}" if cfg.device == "cuda" else "cpu")
-    if device.type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    device = d.device(cfg.device)
     log = print_or_drop if d.is_main else (lambda *a, **k: None)
     with ExitStack() as cleanup:  # whatever ends the run, everything opened here is closed
         if d.is_main:
