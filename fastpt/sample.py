@@ -58,7 +58,7 @@ def generate(
 
 
 def load_hf_model(hf_dir: Path, device: torch.device) -> Transformer:
-    """The model of a Hugging Face Llama folder (one that fastpt.export wrote, or any it can import)."""
+    """The model of a Hugging Face Llama or Qwen3 folder (one that fastpt.export wrote, or any it can import)."""
     cfg, state = hf.load_hf(hf_dir)
     model = Transformer(cfg)
     model.load_state_dict(state)
@@ -70,7 +70,7 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
     tokenizer.json found beside it (None if none), and a line that says what was loaded."""
     if hf.is_hf_dir(path):
         model = load_hf_model(path, device)
-        return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face Llama, {model.num_params():,} params"
+        return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face {hf.ARCHITECTURES[model.cfg.qk_norm][1]}, {model.num_params():,} params"
     ckpt_path = checkpoint.find(path)
     model, ckpt = Transformer.from_checkpoint(ckpt_path, device)
     about = f"{ckpt_path}: step {checkpoint.step_of(ckpt)}, {model.num_params():,} params"
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         required=True,
         metavar="PATH",
         help="a run folder (its newest checkpoint), a checkpoint file or FSDP directory, "
-        "or a Hugging Face Llama folder",
+        "or a Hugging Face Llama / Qwen3 folder",
     )
     ap.add_argument("--prompt", default="", help="text to continue; '' = start a new document (default: %(default)r)")
     ap.add_argument("--num-samples", type=int, default=1, help="samples to draw (default: %(default)r)")
