@@ -1,4 +1,5 @@
-"""Write a Hugging Face Llama folder (Qwen3 with QK-norm) from a fastpt checkpoint: python -m fastpt.export RUN_DIR_OR_CKPT --out DIR
+"""Write a Hugging Face Llama folder (Qwen3 with QK-norm) from a fastpt checkpoint:
+python -m fastpt.export RUN_DIR_OR_CKPT --out DIR
 
 The folder (config.json, generation_config.json, safetensors weights, tokenizer files) loads with
 transformers' AutoModelForCausalLM / AutoTokenizer, vLLM and lm-evaluation-harness, and computes

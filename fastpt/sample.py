@@ -70,7 +70,8 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
     tokenizer.json found beside it (None if none), and a line that says what was loaded."""
     if hf.is_hf_dir(path):
         model = load_hf_model(path, device)
-        return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face {hf.ARCHITECTURES[model.cfg.qk_norm][1]}, {model.num_params():,} params"
+        architecture = hf.ARCHITECTURES[model.cfg.qk_norm][1]
+        return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face {architecture}, {model.num_params():,} params"
     ckpt_path = checkpoint.find(path)
     model, ckpt = Transformer.from_checkpoint(ckpt_path, device)
     about = f"{ckpt_path}: step {checkpoint.step_of(ckpt)}, {model.num_params():,} params"
