@@ -298,7 +298,7 @@ def table(results: dict[str, list[Compiled]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench aot", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench aot", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sms", type=int, default=H200_SMS, help="SMs the launchers plan for (default: an H200's 132)")
     ap.add_argument("--cases", default="", help="only cases whose name contains this")
     ap.add_argument("--markdown", help="write the table here")

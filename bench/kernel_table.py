@@ -274,7 +274,7 @@ def markdown(rows: list[dict], env: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Print the kernel table; non-zero only when fastpt's own kernels fail (peers may)."""
     cuda = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
     ap.add_argument("--ops", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
     ap.add_argument("--providers", default="", help="comma-separated subset (default: every one available)")

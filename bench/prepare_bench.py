@@ -122,7 +122,7 @@ def load() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench prepare", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench prepare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gb", type=float, default=1.0, help="text in the corpus (default: %(default)s)")
     ap.add_argument("--workers", type=int, default=2, help="fastpt.prepare --workers (default: %(default)s)")
     ap.add_argument("--tokenizer", default="bpe", help="fastpt.prepare --tokenizer (default: %(default)s)")

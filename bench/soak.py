@@ -179,7 +179,7 @@ def summarize(samples: list[dict], ms: list[float], warm_steps: int, resume: dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20000, help="optimizer steps (default: %(default)s)")
     ap.add_argument("--every", type=int, default=500, help="eval and checkpoint interval (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=1000, help="steps before growth is measured (default: %(default)s)")

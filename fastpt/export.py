@@ -79,7 +79,7 @@ def export(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = ArgumentParser(prog="python -m fastpt.export", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m fastpt.export", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "source",
         metavar="RUN_DIR_OR_CKPT",

@@ -108,7 +108,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = ArgumentParser(prog="python -m fastpt.plot", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m fastpt.plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", metavar="RUN_DIR", help="run folder with metrics.jsonl (the --out of fastpt.train)")
     ap.add_argument("--out", default="", help="the PNG to write (default: RUN_DIR/loss.png)")
     args = ap.parse_args(argv)

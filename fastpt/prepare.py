@@ -299,7 +299,7 @@ def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m fastpt.prepare", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "inputs",
         nargs="*",

@@ -79,7 +79,7 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = ArgumentParser(prog="python -m fastpt.sample", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="python -m fastpt.sample", description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--ckpt",
         required=True,
