@@ -58,7 +58,8 @@ class UsageError(FastptError):
 
 
 def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The named RECIPES, then the --recipe ones; the seed recipe first."""
+    """The named RECIPES, then the --recipe ones; the seed recipe first. A flag value `{lr}` is the
+    seed's peak LR (muon-plain's embedding and head LRs)."""
     chosen = {}
     for name in args.recipes.split(","):
         if name not in RECIPES:
@@ -71,7 +72,8 @@ def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
         chosen[name] = shlex.split(flags)
     if next(iter(chosen), None) != "seed":
         raise UsageError("the seed recipe runs first (--recipes seed,...)")
-    return chosen
+    seed_lr = str(resolve(common_flags(args, 1), args.device).lr)
+    return {name: [f.replace("{lr}", seed_lr) for f in flags] for name, flags in chosen.items()}
 
 
 def resolve(flags: list[str], device: str):
