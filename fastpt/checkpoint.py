@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 from fastpt import files
 from fastpt.errors import CheckpointError, ConfigError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
+from fastpt.optim import changed_settings, reapply_settings
 from fastpt.presets import ModelConfig
 
 __all__ = [
@@ -447,11 +448,12 @@ def build_checkpointer(cfg: TrainConfig, data: Data, net: Net, state: TrainState
 
 def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, log: Callable) -> None:
     """--resume: every registered state from the newest checkpoint that loads, checked to be of this
-    run's model and optimizer. A fresh run refuses a folder that holds an earlier run's checkpoints
-    or metrics."""
-    state = ckpt.states["train_state"]
+    run's model and optimizer, whose groups then take the config's settings (optim.reapply_settings).
+    A fresh run refuses a folder that holds an earlier run's checkpoints or metrics."""
+    state, saved_config = ckpt.states["train_state"], {}
 
     def same_model(path: Path, saved: dict) -> None:
+        saved_config.update(saved.get("train_config", {}))
         if diff := model_mismatch(saved["model_config"], ckpt.meta["model_config"]):
             raise ConfigError(
                 f"{path} was written for another model ({diff}); resume with the same preset, shape keys and data"
@@ -463,6 +465,10 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
     ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
     if cfg.resume and (path := ckpt.restore(device, same_model)):
         log(f"resumed from {path} at step {state.step}")
+        optimizers = ckpt.states["optimizer"].optimizers
+        reapply_settings(optimizers, cfg, ckpt.meta["model_config"]["dim"], ckpt.meta["model_config"]["tie_embeddings"])
+        if changed := changed_settings(saved_config, cfg):
+            log(f"resume: {changed} (the config's values apply)")
         if state.step >= cfg.max_steps:
             log(f"nothing to do: the run is already at step {state.step} of max_steps {cfg.max_steps}")
     elif cfg.resume:

@@ -2,7 +2,8 @@
 place; their resolution and checks (the command line is fastpt.cli).
 
 Resolution order for a run: TrainConfig defaults < the preset's batch < device profile (CPU
-only) < TOML file < CLI. Model shape (fastpt.presets): the preset's ModelConfig < the shape keys given.
+only) < --recipe (fastpt.recipes) < TOML file < CLI. Model shape (fastpt.presets): the preset's
+ModelConfig < the shape keys given.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fastpt import float8, kernels
 from fastpt.errors import ConfigError
 from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, shape_keys
 from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names
+from fastpt.recipes import RECIPES, describe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,13 +62,16 @@ BETA = Interval(0, 1, high_open=True)
 SEED = Interval(0, 2**32 - 1)  # what NumPy's seed takes
 
 
-def setting(default: Any, help: str, *, choices: tuple = (), domain: Interval | None = None) -> Any:
-    """A TrainConfig field with its --help line, its allowed values or its valid range."""
-    return field(default=default, metadata={"help": help, "choices": choices, "domain": domain})
+def setting(
+    default: Any, help: str, *, choices: tuple = (), domain: Interval | None = None, recipe: bool = False
+) -> Any:
+    """A TrainConfig field with its --help line, its allowed values or its valid range; `recipe`:
+    a training-recipe choice, which the run's summary names when it differs from the seed's."""
+    return field(default=default, metadata={"help": help, "choices": choices, "domain": domain, "recipe": recipe})
 
 
-def shape(help: str) -> Any:
-    return setting(None, help + ", the preset's by default")
+def shape(help: str, recipe: bool = False) -> Any:
+    return setting(None, help + ", the preset's by default", recipe=recipe)
 
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")  # torch.compile's
@@ -75,6 +80,12 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the ones that add CUDA
 
 @dataclass
 class TrainConfig:
+    recipe: str = setting(
+        "seed",
+        "a named set of values, below a TOML file and flags: "
+        + "; ".join(f"{name}: {describe(name)}" for name in RECIPES),
+        choices=tuple(RECIPES),
+    )
     # model and data
     preset: str = setting("0.04b", "model size (see --list-presets)", choices=tuple(PRESETS))
     data: str = setting(
@@ -87,6 +98,7 @@ class TrainConfig:
         "training windows: concat cuts them from the token stream; bos starts each at "
         "a document token, filled best-fit with whole documents",
         choices=("concat", "bos"),
+        recipe=True,
     )
     data_format: str = setting(
         "llmc",
@@ -108,6 +120,7 @@ class TrainConfig:
         "earlier tokens of its own document (the data's document token starts "
         "one)",
         choices=ATTENTIONS,
+        recipe=True,
     )
     # model shape, on top of the preset
     vocab_size: int | None = shape("vocabulary size (at least the data's)")
@@ -119,7 +132,13 @@ class TrainConfig:
     max_seq_len: int | None = shape("longest sequence (RoPE table)")
     rope_theta: float | None = shape("RoPE base")
     norm_eps: float | None = shape("RMSNorm epsilon")
-    tie_embeddings: bool | None = shape("share the LM head with the token embedding")
+    tie_embeddings: bool | None = shape("share the LM head with the token embedding", recipe=True)
+    qk_norm: bool | None = shape(
+        "RMSNorm over each head's queries and keys before RoPE (as Qwen3; exports as Qwen3ForCausalLM)", recipe=True
+    )
+    zero_init: bool = setting(
+        False, "start the output projections (attention wo, MLP down) at zero (modded-nanogpt, nanochat)", recipe=True
+    )
     # optimisation: the seed's values
     max_steps: int = setting(10000, "optimizer steps", domain=POSITIVE)
     micro_batch: int | str = setting(
@@ -131,24 +150,57 @@ class TrainConfig:
     warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
     schedule: str = setting(
         "cosine",
-        "LR after warmup: cosine to the floor (the seed's); wsd: constant peak, "
-        "then linear decay to the floor over the last decay_fraction of the steps; "
-        "linear: linear decay to the floor from the end of warmup",
+        "LR after warmup: cosine to min_lr_ratio (the seed's); wsd: constant peak, "
+        "then a decay to decay_floor over the last decay_fraction of the steps; "
+        "linear: linear decay to min_lr_ratio from the end of warmup",
         choices=("cosine", "wsd", "linear"),
+        recipe=True,
     )
     decay_fraction: float = setting(
         0.2, "wsd: the fraction of max_steps that decays", domain=Interval(0, 1, low_open=True)
     )
+    decay_floor: float = setting(
+        0.0, "wsd: the LR its decay ends at, as a fraction of the peak", domain=UNIT, recipe=True
+    )
+    decay_shape: str = setting(
+        "linear",
+        "wsd's decay: linear, or sqrt: floor + (peak - floor) * (1 - sqrt(progress)) (Hägele et al. 2024)",
+        choices=("linear", "sqrt"),
+        recipe=True,
+    )
     optimizer: str = setting(
         "adamw",
         "adamw: the seed's two AdamW groups; muon: Muon for the blocks' 2-D weight "
-        "matrices, the two AdamW groups for embeddings, head and norms",
+        "matrices, AdamW for the embedding and head (--embed-lr, --head-lr) and the norms (--lr)",
         choices=("adamw", "muon"),
+        recipe=True,
     )
     muon_lr: float = setting(
         0.02, "Muon's peak learning rate (--optimizer muon), on the same schedule", domain=POSITIVE
     )
-    muon_momentum: float = setting(0.95, "Muon's (Nesterov) momentum", domain=BETA)
+    muon_momentum: float = setting(
+        0.95, "Muon's (Nesterov) momentum, reached after muon_momentum_warmup steps", domain=BETA
+    )
+    muon_momentum_warmup: int = setting(
+        300, "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0 = off", domain=NON_NEGATIVE
+    )
+    muon_weight_decay: float = setting(
+        0.0, "Muon's decoupled weight decay: each step shrinks its matrices by lr * this", domain=NON_NEGATIVE
+    )
+    embed_lr: float = setting(
+        0.0,
+        "--optimizer muon: the untied embedding's peak AdamW LR; 0 = nanochat's 0.2 * (dim / 768) ** -0.5",
+        domain=NON_NEGATIVE,
+    )
+    head_lr: float = setting(
+        0.0,
+        "--optimizer muon: the head's peak AdamW LR, a tied embedding's too (the head's scale, as modded-nanogpt's "
+        "tied records ran it); 0 = nanochat's 0.004 * (dim / 768) ** -0.5",
+        domain=NON_NEGATIVE,
+    )
+    muon_adam_beta1: float = setting(
+        0.8, "--optimizer muon: beta1 of the embedding's and head's AdamW (beta2 is beta2; nanochat's 0.8)", domain=BETA
+    )
     weight_decay: float = setting(0.1, "AdamW weight decay", domain=NON_NEGATIVE)
     decay_rule: str = setting(
         "ndim",
@@ -163,6 +215,7 @@ class TrainConfig:
         0.0,
         "z-loss coefficient (PaLM, OLMo: 1e-4): adds z_loss * logsumexp^2 to the loss, logged apart as z_loss; 0 = off",
         domain=NON_NEGATIVE,
+        recipe=True,
     )
     # speed
     dtype: str = setting("bf16", "autocast precision (fp16 uses a GradScaler, CUDA only)", choices=tuple(DTYPES))
@@ -192,12 +245,14 @@ class TrainConfig:
         "",
         "multiple-choice tasks scored at every eval: a JSONL file of rows (ctx, endings, label) as "
         "mc_acc, or NAME=FILE,NAME=FILE as mc_acc/NAME and their mean mc_acc (in TOML also a table); '' = off",
+        recipe=True,
     )
     eval_mc_norm: str = setting(
         "byte",
         "an MC ending's log-likelihood per: byte (lm-eval's acc_bytes), char (acc_norm), token "
         "(nanochat's CORE), none (acc)",
         choices=("byte", "char", "token", "none"),
+        recipe=True,
     )
     ckpt_every: int = setting(1000, "steps between checkpoints", domain=POSITIVE)
     keep_checkpoints: int = setting(3, "newest checkpoints kept on disk", domain=POSITIVE)
@@ -317,10 +372,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             "'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "
             "would check only this rank's gradient shards for overflow"
         )
+    if cfg.schedule == "wsd" and wsd_decay_steps(cfg) <= 0:
+        raise ConfigError(
+            f"'schedule' = 'wsd' never decays: 'decay_fraction' {cfg.decay_fraction} of 'max_steps' {cfg.max_steps} "
+            f"(after 'warmup_steps' {cfg.warmup_steps}) rounds to 0 steps; raise decay_fraction or max_steps"
+        )
     profile_steps(cfg)
     if not cfg.init_from:  # a shape that cannot work fails now, not after the data is prepared
         dataclasses.replace(PRESETS[cfg.preset], **shape_keys(cfg)).check()
     return cfg
+
+
+def wsd_decay_steps(cfg: TrainConfig) -> int:
+    """The steps --schedule wsd decays over: the last decay_fraction of max_steps, after warmup."""
+    return cfg.max_steps - max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_fraction * cfg.max_steps))
 
 
 def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
@@ -363,6 +428,7 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainC
     file_values = load_toml(config_file) if config_file else {}
     given = {**file_values, **{k: coerce(k, v, "command line") for k, v in cli.items()}}
     merged: dict[str, Any] = dict(CPU_PROFILE) if device == "cpu" else {}
+    merged.update(recipe_values(given.get("recipe", FIELDS["recipe"].default)))
     merged.update(given)
     preset = merged.get("preset", FIELDS["preset"].default)
     if preset in PRESET_BATCH and device != "cpu":
@@ -376,6 +442,13 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainC
     return validate(cfg)
 
 
+def recipe_values(name: str) -> dict[str, Any]:
+    """What --recipe `name` sets; an unknown name is one line with the closest one."""
+    if name not in RECIPES:
+        raise ConfigError(f"'recipe' = {name!r} is not one of {', '.join(map(repr, RECIPES))}{suggest(name, RECIPES)}")
+    return RECIPES[name]
+
+
 def to_toml(cfg: TrainConfig) -> str:
     """The config as TOML (flat keys; unset shape keys left out), loadable again with --config."""
 
@@ -386,4 +459,5 @@ def to_toml(cfg: TrainConfig) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         return repr(v)
 
-    return "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)
+    comment = f"# recipe {cfg.recipe}: {describe(cfg.recipe)}; the keys below are the resolved values\n"
+    return comment + "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)

@@ -1,9 +1,11 @@
 """Hugging Face Llama folders <-> fastpt: config.json, weight names, the RoPE layout, tokenizer files.
+A model with QK-norm is a Qwen3ForCausalLM folder (Llama's layers plus q_norm / k_norm per head).
 
 fastpt's RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... of each head; HF's LlamaForCausalLM
 rotates halves (x_i, x_{i + hd/2}). Export reorders each head's rows of wq and wk (the even rows,
 then the odd ones), so that HF's rotation meets exactly the features fastpt's rotates together:
-q.k is unchanged when q and k are permuted alike, and v and wo are untouched. Import undoes it.
+q.k is unchanged when q and k are permuted alike, and v and wo are untouched (QK-norm's per-feature
+scales move with their features; the norm itself is blind to the order). Import undoes it.
 fastpt's own layout never changes. Reading and writing need only `safetensors`, not `transformers`.
 """
 
@@ -44,6 +46,11 @@ BLOCK_NAMES = {  # fastpt name in a block -> HF name in a decoder layer
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
+QK_NORM_NAMES = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+ARCHITECTURES = {False: ("llama", "LlamaForCausalLM"), True: ("qwen3", "Qwen3ForCausalLM")}  # by qk_norm
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Every file an export writes: an --out holding anything else is a user's folder, never replaced.
@@ -64,8 +71,9 @@ END_TOKENS = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 def name_map(cfg: ModelConfig) -> dict[str, str]:
     """fastpt parameter name -> HF name, for every parameter of cfg's model."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    block = {**BLOCK_NAMES, **(QK_NORM_NAMES if cfg.qk_norm else {})}
     for i in range(cfg.n_layers):
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in BLOCK_NAMES.items()})
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in block.items()})
     if not cfg.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
     return names
@@ -73,11 +81,17 @@ def name_map(cfg: ModelConfig) -> dict[str, str]:
 
 def relayout(name: str, w: torch.Tensor, cfg: ModelConfig, to_hf: bool) -> torch.Tensor:
     """wq and wk with each head's rows moved between fastpt's RoPE pairs (0, 1), (2, 3), ... and HF's
-    halves (0, 2, 4, ..., 1, 3, 5, ...); every other weight as it is. w (heads * hd, dim)."""
-    heads = {"attention.wq.weight": cfg.n_heads, "attention.wk.weight": cfg.kv_heads}.get(name.split(".", 2)[-1])
+    halves (0, 2, 4, ..., 1, 3, 5, ...), and the q_norm / k_norm scales (one head) alike; every other
+    weight as it is. w (heads * hd, dim) or (hd,)."""
+    heads = {
+        "attention.wq.weight": cfg.n_heads,
+        "attention.wk.weight": cfg.kv_heads,
+        "attention.q_norm.weight": 1,
+        "attention.k_norm.weight": 1,
+    }.get(name.split(".", 2)[-1])
     if heads is None:
         return w
-    hd, dim = w.shape[0] // heads, w.shape[1]
+    hd, dim = w.shape[0] // heads, w[0].numel()
     pairs_first = (heads, hd // 2, 2, dim) if to_hf else (heads, 2, hd // 2, dim)
     return w.reshape(pairs_first).transpose(1, 2).reshape(w.shape)
 
@@ -114,11 +128,14 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sourc
 
 
 def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict:
-    """LlamaForCausalLM's config.json for cfg, in the long-standing layout (top-level rope_theta,
-    torch_dtype) that transformers 4.x and 5.x, vLLM and lm-evaluation-harness all read."""
+    """LlamaForCausalLM's config.json for cfg (Qwen3ForCausalLM's with QK-norm: full attention in
+    every layer, no sliding window), in the long-standing layout (top-level rope_theta, torch_dtype)
+    that transformers 4.x and 5.x, vLLM and lm-evaluation-harness all read."""
+    model_type, architecture = ARCHITECTURES[cfg.qk_norm]
+    qwen3 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
@@ -140,11 +157,12 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_i
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
+        **(qwen3 if cfg.qk_norm else {}),
     }
 
 
 def from_hf_config(c: dict, source: str) -> ModelConfig:
-    """The ModelConfig of a LlamaForCausalLM config.json; anything that would make HF compute
+    """The ModelConfig of a LlamaForCausalLM (or Qwen3ForCausalLM) config.json; anything that would make HF compute
     another function than fastpt's Llama is refused with one line naming the field.
     Absent optional fields take LlamaConfig's defaults."""
 
@@ -157,10 +175,15 @@ def from_hf_config(c: dict, source: str) -> ModelConfig:
             refuse(key, f"a positive {'integer' if kind is int else 'number'} is required")
         return value
 
-    if c.get("model_type") != "llama":
-        refuse("model_type", "fastpt imports Llama-architecture models (model_type 'llama')")
-    if c.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
-        refuse("architectures", "fastpt imports LlamaForCausalLM")
+    kinds = {model_type: qk_norm for qk_norm, (model_type, _) in ARCHITECTURES.items()}
+    if c.get("model_type") not in kinds:
+        refuse("model_type", "fastpt imports Llama and Qwen3 models (model_type 'llama' or 'qwen3')")
+    qk_norm = kinds[c["model_type"]]
+    architecture = ARCHITECTURES[qk_norm][1]
+    if c.get("architectures", [architecture]) != [architecture]:
+        refuse("architectures", f"fastpt imports {architecture} for model_type {c['model_type']!r}")
+    if qk_norm and c.get("use_sliding_window"):
+        refuse("use_sliding_window", "fastpt's attention sees the whole window")
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if c.get(key, want) != want:
             refuse(key, f"fastpt's Llama has {json.dumps(want)}")
@@ -190,6 +213,7 @@ def from_hf_config(c: dict, source: str) -> ModelConfig:
         norm_eps=positive("rms_norm_eps", 1e-6, (int, float)),
         rope_theta=positive("rope_theta", rope.get("rope_theta", 10000.0), (int, float)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qk_norm=qk_norm,
     )
     try:
         return cfg.check()  # what is left: a head dim RoPE cannot split in pairs

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from fastpt.config import TrainConfig, to_toml
+from fastpt.config import FIELDS, TrainConfig, to_toml
 from fastpt.data import Data, describe_data
 from fastpt.errors import ConfigError, require
 from fastpt.files import clear_temporaries, owned_folder, write_atomic
+from fastpt.presets import ModelConfig
 from fastpt.tokenizer import copy_for_run
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), by a substring of the device name.
@@ -141,10 +142,11 @@ class Dashboard:
         )
 
     def record(
-        self, state, elapsed: float, lr: float, grad_norm: torch.Tensor, data_wait_s: float, recompiles: int
+        self, state, elapsed: float, lrs: dict[str, float], grad_norm: torch.Tensor, data_wait_s: float, recompiles: int
     ) -> dict:
         """The record of the log window that the loop's TrainState `state` has summed, `elapsed`
-        seconds of training long; reading the loss is the window's one wait for the device."""
+        seconds of training long; reading the loss is the window's one wait for the device. `lrs`:
+        each optimizer group's LR (optim.apply_schedule), "lr" as `lr`, the others as `lr/NAME`."""
         steps = state.window_steps
         loss = (state.window_loss / steps).item()
         tok_s = steps * self.tokens_per_step / elapsed
@@ -153,7 +155,8 @@ class Dashboard:
             "step": state.step,
             "loss": loss,
             "ppl": math.exp(min(loss, 20.0)),
-            "lr": lr,
+            "lr": lrs["lr"],
+            **{f"lr/{name}": lr for name, lr in lrs.items() if name != "lr"},
             "grad_norm": float(grad_norm),
             "tok_s": tok_s,
             "tok_s_per_gpu": tok_s / self.world_size,
@@ -172,7 +175,9 @@ class Dashboard:
         return (
             f"Step {r['step']:5d}/{self.max_steps} | Loss: {r['loss']:.4f} | PPL: {r['ppl']:.2f} | "
             + (f"Z: {r['z_loss']:.2e} | " if self.z_loss else "")
-            + f"LR: {r['lr']:.2e} | Norm: {r['grad_norm']:.3f} | Mem: {r['peak_mem_gib']:.2f} GiB | "
+            + f"LR: {r['lr']:.2e}"
+            + "".join(f" {k[3:]} {v:.2e}" for k, v in r.items() if k.startswith("lr/"))
+            + f" | Norm: {r['grad_norm']:.3f} | Mem: {r['peak_mem_gib']:.2f} GiB | "
             f"Speed: {r['tok_s']:,.0f} tok/s"
             + (f" | MFU: {r['mfu']:.1%}" if r["mfu"] is not None else "")
             + (f" | Recompiles: {r['recompiles']}" if self.compile else "")
@@ -289,8 +294,22 @@ def speed_choices(cfg: TrainConfig) -> str:
     )
 
 
+def recipe_choices(cfg: TrainConfig, model: ModelConfig) -> list[str]:
+    """Each recipe setting (setting(..., recipe=True)) where the run differs from the seed: its
+    default, or for a shape key (default None: the preset's) the seed's ModelConfig."""
+    seed_model, choices = ModelConfig(), []
+    for name, f in FIELDS.items():
+        if f.metadata["recipe"]:
+            shape_key = f.default is None
+            value = getattr(model if shape_key else cfg, name)
+            if value != (getattr(seed_model, name) if shape_key else f.default):
+                choices.append(f"{name} {value}")
+    return choices
+
+
 def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[str]:
-    """The two lines a run starts with: where it writes and what it trains, then on what data."""
+    """The lines a run starts with: where it writes and what it trains, on what data, and the
+    recipe's choices that differ from the seed's."""
     peak, seq_len, device = dash.peak_flops, data.train.seq_len, dash.device
     return [
         f"run {cfg.out} | device {device_name(device)} x {dash.world_size} | "
@@ -301,4 +320,5 @@ def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[
         f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
         f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
         f"{dash.world_size} ranks) | {cfg.max_steps:,} steps = {dash.tokens_per_step * cfg.max_steps:,} tokens",
+        f"recipe {cfg.recipe} | vs the seed's: " + (", ".join(recipe_choices(cfg, data.model_config)) or "none"),
     ]

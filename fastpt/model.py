@@ -69,13 +69,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: str = "auto"):
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # QK-norm: one learned scale of head_dim shared by every head, as Qwen3's q_norm / k_norm.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, cache: tuple | None = None, mask=None):
         """cache None (training): returns (y, None), so no view of k and v outlives the call.
@@ -86,6 +89,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
         k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)  # (B, T, Hkv, hd)
         v = self.wv(x).view(B, T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over hd, before RoPE
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         if cache:
@@ -119,7 +124,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.checkpointed = checkpointed  # recompute the activations in the backward instead of keeping them
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, backend)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.feed_forward = FeedForward(cfg)
 
@@ -184,14 +189,18 @@ class Transformer(nn.Module):
         ckpt_io.apply(path, ckpt, {"model": ckpt_io.ModelState(model)})
         return model.eval(), ckpt
 
-    def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers)."""
+    def reset_parameters(self, zero_init: bool = False) -> None:
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers);
+        zero_init: those projections (attention wo, MLP down) at zero instead, so each block
+        starts as the identity (modded-nanogpt, nanochat)."""
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
+            is_residual = name.endswith(("wo.weight", "w2.weight"))
             if p.dim() < 2:
                 nn.init.ones_(p)
+            elif is_residual and zero_init:
+                nn.init.zeros_(p)
             else:
-                is_residual = name.endswith(("wo.weight", "w2.weight"))
                 nn.init.normal_(p, mean=0.0, std=residual_std if is_residual else 0.02)
 
     @property

@@ -1,5 +1,7 @@
-"""AdamW in two parameter groups (optionally Muon for the blocks' matrices beside them) and the
-learning-rate schedules: the seed's warmup + cosine, warmup-stable-decay and linear."""
+"""The run's optimizers and their schedule: the seed's two AdamW groups, or (--optimizer muon)
+Muon for the blocks' matrices beside AdamW groups of their own for the embedding and the head, as
+nanochat and modded-nanogpt run it; the LR schedules (the seed's warmup + cosine, warmup-stable-decay
+and linear) and Muon's momentum warmup, set on every group by apply_schedule."""
 
 from __future__ import annotations
 
@@ -9,7 +11,28 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from fastpt.config import TrainConfig
+from fastpt.config import TrainConfig, wsd_decay_steps
+from fastpt.presets import PRESETS
+
+# nanochat's AdamW LRs beside Muon, tuned at width 768 and scaled as (dim / 768) ** -0.5.
+EMBED_LR_768, HEAD_LR_768 = 0.2, 0.004
+MUON_MOMENTUM_START = 0.85  # Muon's momentum warms up from here (nanochat, modded-nanogpt)
+# Each setting reapply_settings puts back after a resume: what the config says, not the checkpoint.
+OPTIMIZER_SETTINGS = (
+    "lr",
+    "muon_lr",
+    "embed_lr",
+    "head_lr",
+    "weight_decay",
+    "muon_weight_decay",
+    "beta1",
+    "beta2",
+    "muon_adam_beta1",
+    "eps",
+    "muon_momentum",
+    "muon_momentum_warmup",
+)
+ADAMW_SETTINGS = ("lr", "weight_decay", "beta1", "beta2", "eps")  # the ones the seed's optimizer has
 
 
 def lr_at(step: int, peak_lr: float, warmup_steps: int, max_steps: int, min_ratio: float = 0.1) -> float:
@@ -21,35 +44,51 @@ def lr_at(step: int, peak_lr: float, warmup_steps: int, max_steps: int, min_rati
     return peak_lr * (min_ratio + (1 - min_ratio) * cosine)
 
 
-def lr_schedule(
-    schedule: str,
-    step: int,
-    peak_lr: float,
-    warmup_steps: int,
-    max_steps: int,
-    min_ratio: float = 0.1,
-    decay_fraction: float = 0.2,
-) -> float:
-    """The LR at `step` (0-based): cosine is lr_at; wsd holds the peak after warmup, then decays
-    linearly to min_ratio * peak over the last decay_fraction of max_steps; linear decays linearly
-    from the end of warmup. Warmup is lr_at's in all three; flat at the floor after max_steps."""
-    if schedule == "cosine":
-        return lr_at(step, peak_lr, warmup_steps, max_steps, min_ratio)
-    if schedule not in ("wsd", "linear"):
-        raise ValueError(f"schedule must be 'cosine', 'wsd' or 'linear', got {schedule!r}")
-    if step < warmup_steps:
-        return peak_lr * step / max(1, warmup_steps)
-    decay_steps = max_steps - warmup_steps if schedule == "linear" else round(decay_fraction * max_steps)
-    decay_start = max(warmup_steps, max_steps - decay_steps)
-    progress = min(1.0, max(0, step - decay_start) / max(1, max_steps - decay_start))
-    return peak_lr * (1 - (1 - min_ratio) * progress)
+def lr_schedule(cfg: TrainConfig, step: int, peak_lr: float) -> float:
+    """The LR at `step` (0-based) of a group peaking at peak_lr: cosine is lr_at (the seed's);
+    wsd holds the peak after warmup, then decays to decay_floor * peak over the last decay_fraction
+    of max_steps, linearly or as 1 - sqrt(progress) (--decay-shape, Hägele et al. 2024); linear
+    decays linearly to min_lr_ratio * peak from the end of warmup. Warmup is lr_at's in all three;
+    flat at the floor after max_steps."""
+    if cfg.schedule == "cosine":
+        return lr_at(step, peak_lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    if cfg.schedule not in ("wsd", "linear"):
+        raise ValueError(f"schedule must be 'cosine', 'wsd' or 'linear', got {cfg.schedule!r}")
+    if step < cfg.warmup_steps:
+        return peak_lr * step / max(1, cfg.warmup_steps)
+    wsd = cfg.schedule == "wsd"
+    decay_steps = wsd_decay_steps(cfg) if wsd else cfg.max_steps - cfg.warmup_steps
+    decay_start = cfg.max_steps - decay_steps
+    progress = min(1.0, max(0, step - decay_start) / max(1, decay_steps))
+    if not wsd:
+        return peak_lr * (1 - (1 - cfg.min_lr_ratio) * progress)
+    floor = cfg.decay_floor * peak_lr
+    left = 1 - math.sqrt(progress) if cfg.decay_shape == "sqrt" else 1 - progress
+    return floor + (peak_lr - floor) * left
 
 
-def run_lr(cfg: TrainConfig, step: int) -> float:
-    """The LR of the run's schedule (--schedule, --lr, --warmup-steps, ...) at `step`."""
-    return lr_schedule(
-        cfg.schedule, step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, cfg.decay_fraction
-    )
+def muon_momentum_at(cfg: TrainConfig, step: int) -> float:
+    """Muon's momentum at `step`: linear from 0.85 to muon_momentum over muon_momentum_warmup steps."""
+    frac = min(1.0, step / cfg.muon_momentum_warmup) if cfg.muon_momentum_warmup else 1.0
+    return MUON_MOMENTUM_START + (cfg.muon_momentum - MUON_MOMENTUM_START) * frac
+
+
+def is_tied(cfg: TrainConfig) -> bool:
+    return cfg.tie_embeddings if cfg.tie_embeddings is not None else PRESETS[cfg.preset].tie_embeddings
+
+
+def peak_lrs(cfg: TrainConfig, dim: int, tied: bool | None = None) -> dict[str, float]:
+    """Each group's peak LR by name: "lr" (the seed's groups; under Muon the norms), and under
+    --optimizer muon "muon", "head" and, with an untied head, "embed" (a tied matrix is the head's
+    group). --embed-lr / --head-lr 0 take nanochat's 0.2 / 0.004 times (dim / 768) ** -0.5.
+    `tied`: the model's tie_embeddings, by default the config's (or its preset's)."""
+    if cfg.optimizer != "muon":
+        return {"lr": cfg.lr}
+    width = (dim / 768) ** -0.5
+    peaks = {"lr": cfg.lr, "head": cfg.head_lr or HEAD_LR_768 * width, "muon": cfg.muon_lr}
+    if not (is_tied(cfg) if tied is None else tied):
+        peaks["embed"] = cfg.embed_lr or EMBED_LR_768 * width
+    return peaks
 
 
 def is_decayed(name: str, p: torch.Tensor, rule: str) -> bool:
@@ -65,8 +104,8 @@ def is_decayed(name: str, p: torch.Tensor, rule: str) -> bool:
 def param_groups(
     model: nn.Module, weight_decay: float, rule: str = "ndim", skip: Callable[[str, torch.Tensor], bool] | None = None
 ) -> list[dict]:
-    """The two AdamW groups: [decayed, not decayed]; frozen parameters, and those skip(name, p) takes
-    for another optimizer, are left out."""
+    """The seed's two AdamW groups: [decayed, not decayed]; frozen parameters, and those
+    skip(name, p) takes for another optimizer, are left out."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad and not (skip and skip(name, p)):
@@ -86,17 +125,13 @@ def build_optimizer(
     eps: float,
     skip: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW, fused into one kernel per step on devices where torch has it."""
-    device = next(model.parameters()).device.type
-    fused = device in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        param_groups(model, weight_decay, rule, skip),
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        fused=fused,
-        foreach=None if fused else True,
-    )
+    """The seed's AdamW, fused into one kernel per step on devices where torch has it."""
+    return adamw(param_groups(model, weight_decay, rule, skip), model, lr=lr, betas=betas, eps=eps)
+
+
+def adamw(groups: list[dict], model: nn.Module, **defaults) -> torch.optim.AdamW:
+    fused = next(model.parameters()).device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, fused=fused, foreach=None if fused else True, **defaults)
 
 
 def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
@@ -105,32 +140,83 @@ def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
     return name.startswith("layers.") and p.dim() == 2
 
 
+def adamw_role(name: str) -> str:
+    """Which peak LR an AdamW parameter takes under --optimizer muon: the head's (a tied embedding
+    is the head too), the embedding's, or --lr (the norms)."""
+    return {"output.weight": "head", "tok_embeddings.weight": "embed"}.get(name, "lr")
+
+
+def group_settings(group: dict, cfg: TrainConfig, peaks: dict[str, float]) -> dict:
+    """The config's hyperparameters for a group the optimizers hold (its "name" and "decayed" say
+    which): peak LR, weight decay, betas and eps; Muon's momentum is the schedule's (apply_schedule)."""
+    name = group["name"]
+    if name == "muon":
+        return {"peak_lr": peaks[name], "weight_decay": cfg.muon_weight_decay}
+    beta1 = cfg.beta1 if name == "lr" else cfg.muon_adam_beta1  # the seed's betas for the seed's groups
+    decay = cfg.weight_decay if group["decayed"] else 0.0
+    return {"peak_lr": peaks[name], "weight_decay": decay, "betas": (beta1, cfg.beta2), "eps": cfg.eps}
+
+
+def muon_adamw_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+    """AdamW's groups beside Muon: one per (role, decayed) pair that has parameters."""
+    tied = getattr(model, "output", None) is None
+    groups: dict[tuple[str, bool], list] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and not is_muon_matrix(name, p):
+            role = "head" if tied and name == "tok_embeddings.weight" else adamw_role(name)
+            groups.setdefault((role, is_decayed(name, p, cfg.decay_rule)), []).append(p)
+    return [{"params": params, "name": role, "decayed": decayed} for (role, decayed), params in groups.items()]
+
+
 def optimizers_for(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
-    """The run's optimizers: [the seed's grouped AdamW], or (--optimizer muon) [AdamW for the rest,
-    torch.optim.Muon for the blocks' matrices]; the loop, GradScaler and checkpoints take the list.
-    Muon's group carries lr_scale = muon_lr / lr: the loop sets each group's lr to the schedule's
-    value times its lr_scale (1 when absent). Muon gets no weight decay (Keller Jordan's reference
-    and modded-nanogpt's records use none)."""
-    with_muon = cfg.optimizer == "muon"
-    adamw = build_optimizer(
-        model,
-        cfg.weight_decay,
-        cfg.decay_rule,
-        cfg.lr,
-        (cfg.beta1, cfg.beta2),
-        cfg.eps,
-        skip=is_muon_matrix if with_muon else None,
-    )
-    if not with_muon:
-        return [adamw]
-    matrices = [p for name, p in model.named_parameters() if p.requires_grad and is_muon_matrix(name, p)]
-    muon = torch.optim.Muon(
-        [{"params": matrices, "lr_scale": cfg.muon_lr / cfg.lr}],
-        lr=cfg.muon_lr,
-        weight_decay=0.0,
-        momentum=cfg.muon_momentum,
-    )
-    return [adamw, muon]
+    """The run's optimizers: [the seed's grouped AdamW], or (--optimizer muon) [AdamW for the
+    embedding, head and norms, torch.optim.Muon for the blocks' matrices]; the loop, GradScaler
+    and checkpoints take the list. Every group carries its "name" (a peak_lrs key) and its
+    "peak_lr", which apply_schedule scales by the schedule at each step."""
+    tied = getattr(model, "output", None) is None
+    if cfg.optimizer != "muon":
+        groups = param_groups(model, cfg.weight_decay, cfg.decay_rule)
+        for group, decayed in zip(groups, (True, False)):
+            group.update(name="lr", decayed=decayed)
+        optimizers = [adamw(groups, model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)]
+    else:
+        matrices = [p for name, p in model.named_parameters() if p.requires_grad and is_muon_matrix(name, p)]
+        muon = torch.optim.Muon(
+            [{"params": matrices, "name": "muon", "decayed": True}], lr=cfg.muon_lr, momentum=cfg.muon_momentum
+        )
+        optimizers = [adamw(muon_adamw_groups(model, cfg), model, lr=cfg.lr), muon]
+    reapply_settings(optimizers, cfg, model.cfg.dim, tied)
+    return optimizers
+
+
+def reapply_settings(
+    optimizers: list[torch.optim.Optimizer], cfg: TrainConfig, dim: int, tied: bool | None = None
+) -> None:
+    """Every group's hyperparameters as the config says: after a resume loaded the checkpoint's
+    (set_optimizer_state_dict restores each group's saved ones), a changed --lr, --muon-lr,
+    --weight-decay, betas or momentum applies."""
+    peaks = peak_lrs(cfg, dim, tied)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group.update(group_settings(group, cfg, peaks))
+
+
+def changed_settings(saved: dict, cfg: TrainConfig) -> str:
+    """The optimizer settings a checkpoint's saved train config differs on ('muon_lr 0.02 -> 0.01')."""
+    used = [k for k in OPTIMIZER_SETTINGS if cfg.optimizer == "muon" or k in ADAMW_SETTINGS]
+    return ", ".join(f"{k} {saved[k]} -> {getattr(cfg, k)}" for k in used if k in saved and saved[k] != getattr(cfg, k))
+
+
+def apply_schedule(optimizers: list[torch.optim.Optimizer], cfg: TrainConfig, step: int) -> dict[str, float]:
+    """Every group's LR for `step` (its peak_lr on the run's schedule) and Muon's momentum;
+    returns each group name's LR (what the dashboard and metrics.jsonl show)."""
+    lrs: dict[str, float] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[group["name"]] = lr_schedule(cfg, step, group["peak_lr"])
+            if group["name"] == "muon":
+                group["momentum"] = muon_momentum_at(cfg, step)
+    return lrs
 
 
 def step_all(optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScaler, grad_norm: torch.Tensor) -> None:
@@ -141,10 +227,3 @@ def step_all(optimizers: list[torch.optim.Optimizer], scaler: torch.amp.GradScal
         return  # scaler.update() still lowers the scale: unscale_ recorded the overflow
     for optimizer in optimizers:
         scaler.step(optimizer)
-
-
-def set_lr(optimizers: list[torch.optim.Optimizer], lr: float) -> None:
-    """Every group at `lr` times its lr_scale: Muon's group runs at muon_lr on the same curve."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)

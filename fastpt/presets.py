@@ -32,6 +32,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3's q_norm / k_norm)
     # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
     # document, which doc_token (the data's meta.json eot_id) starts. Export is a causal Llama either way.
     attention: str = "causal"
@@ -49,7 +50,7 @@ class ModelConfig:
         """Parameters of the model this config builds (the tied head counted once)."""
         d, hd = self.dim, self.head_dim
         attention = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2  # wq, wo; wk, wv
-        block = attention + 3 * d * self.ffn_dim + 2 * d  # + SwiGLU, two norms
+        block = attention + 3 * d * self.ffn_dim + 2 * d + (2 * hd if self.qk_norm else 0)  # + SwiGLU, norms
         head = 0 if self.tie_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.n_layers * block + d + head
 

@@ -32,7 +32,7 @@ from fastpt.errors import print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_folder
 from fastpt.model import Transformer
-from fastpt.optim import optimizers_for, run_lr, set_lr, step_all
+from fastpt.optim import apply_schedule, optimizers_for, step_all
 from fastpt.profiling import StepProbe
 
 
@@ -143,7 +143,7 @@ class TrainState:
 def build_model(
     cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, d: distributed.Dist, init_weights: dict | None = None
 ) -> Net:
-    """The seeded model (from --init-from's weights if given), float8, compiled and parallelized
+    """The seeded model (from --init-from's weights if given, else --zero-init's), float8, compiled and parallelized
     in torchtitan's order, its optimizers and precision."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -151,6 +151,8 @@ def build_model(
     raw = Transformer(mcfg, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing)
     if init_weights is not None:
         raw.load_state_dict(init_weights)
+    elif cfg.zero_init:
+        raw.reset_parameters(zero_init=True)
     if raw.output_weight.device != device:  # built in place already: fastpt.plan's fake model cannot be moved
         raw.to(device)
     if cfg.float8:  # before compiling and sharding
@@ -216,8 +218,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         net.model.train()
         preemption.armed = True
         while state.step < cfg.max_steps:
-            lr = run_lr(cfg, state.step)
-            set_lr(net.optimizers, lr)
+            lrs = apply_schedule(net.optimizers, cfg, state.step)  # each group's LR, Muon's momentum
             with probe.step(state.step + 1):  # --profile, recompiles
                 result = train_step(net, data.loader, cfg, d)
             state.count(result, dash.tokens_per_step)  # from here on, state.step is this step's number
@@ -239,7 +240,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
                 return 1
             if log_now and state.window_steps:  # in skip mode a window may hold no update at all
                 record = dash.record(
-                    state, pace.lap(state.window_steps), lr, result.grad_norm, data.loader.wait_s, probe.recompiles()
+                    state, pace.lap(state.window_steps), lrs, result.grad_norm, data.loader.wait_s, probe.recompiles()
                 )
                 log(dash.line(record, pace.eta(cfg.max_steps - state.step)), flush=True)
                 if metrics:

@@ -73,6 +73,28 @@ def test_transformers_computes_the_logits_of_an_export(tmp_path, n_kv_heads, tie
     assert len(set(weight_map.values())) > 1 and ("lm_head.weight" in weight_map) is not tie
 
 
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_qk_norm_model_exports_as_qwen3_with_its_logits_and_imports_back(tmp_path, tie):
+    cfg = dataclasses.replace(SMALL, n_kv_heads=2, tie_embeddings=tie, qk_norm=True)
+    torch.manual_seed(0)
+    ours = Transformer(cfg).eval()
+    randomize_norms(ours)  # q_norm / k_norm scales away from 1: a misplaced feature shows
+    hf.save_hf(tmp_path, cfg, ours.state_dict())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["architectures"], config["model_type"], config["use_sliding_window"]) == (
+        ["Qwen3ForCausalLM"],
+        "qwen3",
+        False,
+    )
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(theirs).__name__ == "Qwen3ForCausalLM" and theirs.num_parameters() == ours.num_params()
+    ids = torch.randint(0, cfg.vocab_size, (3, 48))
+    torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-4, rtol=0)
+    back_cfg, state = hf.load_hf(tmp_path)
+    assert back_cfg == cfg and all(torch.equal(state[k], v) for k, v in ours.state_dict().items())
+    assert hf.to_hf_config(SMALL, torch.float32, 0, 0)["architectures"] == ["LlamaForCausalLM"]  # no qk_norm
+
+
 def assert_export_computes_the_checkpoint(ckpt, folder) -> None:
     ours, _ = Transformer.from_checkpoint(ckpt, torch.device("cpu"))
     theirs = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -266,6 +288,15 @@ def test_an_unsupported_config_is_refused_naming_the_field(tmp_path, field, valu
     with pytest.raises(ConfigError, match=f"'{field}'") as error:
         hf.load_hf(tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_a_qwen3_with_a_sliding_window_is_refused(tmp_path):
+    write_config(tmp_path, model_type="qwen3", architectures=["Qwen3ForCausalLM"], use_sliding_window=True)
+    with pytest.raises(ConfigError, match="'use_sliding_window'"):
+        hf.load_hf(tmp_path)
+    write_config(tmp_path, model_type="qwen3")  # a Qwen3 config that names Llama's class
+    with pytest.raises(ConfigError, match="'architectures'"):
+        hf.load_hf(tmp_path)
 
 
 def test_weights_that_do_not_match_the_config_are_refused_naming_the_tensor(tmp_path):

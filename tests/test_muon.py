@@ -1,6 +1,8 @@
-"""--optimizer muon: torch.optim.Muon for the blocks' matrices beside the seed's two AdamW groups,
-used by the loop, the GradScaler and checkpoints as one optimizer; it trains, resumes bit for bit
-after SIGKILL, follows one process under DDP, and is refused under FSDP in one line."""
+"""--optimizer muon: torch.optim.Muon for the blocks' matrices beside AdamW groups for the embedding,
+the head and the norms, each at its own peak LR (nanochat's, scaled with width), Muon's momentum
+warming up and its weight decay on the schedule; used by the loop, the GradScaler and checkpoints as
+one optimizer; it trains, resumes bit for bit after SIGKILL, takes the config's settings after a
+resume, follows one process under DDP, and is refused under FSDP in one line."""
 
 from __future__ import annotations
 
@@ -14,14 +16,14 @@ from conftest import TINY, read_metrics, run_main, run_train, train_refuses
 from fastpt import checkpoint, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.model import Transformer
-from fastpt.optim import is_muon_matrix, optimizers_for, step_all
+from fastpt.optim import apply_schedule, is_muon_matrix, muon_momentum_at, optimizers_for, peak_lrs, step_all
 
 MUON = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02)
 
 
-def small_model(seed: int = 0) -> Transformer:
+def small_model(seed: int = 0, **shape) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=97, n_kv_heads=2))
+    return Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=97, n_kv_heads=2, **shape))
 
 
 def names(model: Transformer, params) -> set[str]:
@@ -29,19 +31,85 @@ def names(model: Transformer, params) -> set[str]:
     return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
-def test_muon_takes_the_blocks_matrices_and_adamw_keeps_its_two_groups():
+def groups_by_name(optimizers: list) -> dict[str, dict]:
+    return {g["name"]: g for o in optimizers for g in o.param_groups}
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_keeps_the_rest_in_named_groups():
     model = small_model()
     adamw, muon = optimizers_for(model, MUON)
     assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
     matrices = names(model, muon.param_groups[0]["params"])
     assert matrices == {n for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2}
     assert {n.split(".")[-2] for n in matrices} == {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
-    decayed, plain = (names(model, g["params"]) for g in adamw.param_groups)
-    assert decayed == {"tok_embeddings.weight"} and all("norm" in n for n in plain)
-    assert len(matrices) + len(decayed) + len(plain) == len(list(model.parameters()))  # each exactly once
-    assert muon.param_groups[0]["lr_scale"] == pytest.approx(20) and muon.param_groups[0]["momentum"] == 0.95
-    assert [type(o) for o in optimizers_for(model, TrainConfig())] == [torch.optim.AdamW]  # the seed's, unchanged
+    head, plain = adamw.param_groups  # tied: the shared matrix is the head's group
+    assert (head["name"], names(model, head["params"])) == ("head", {"tok_embeddings.weight"})
+    assert plain["name"] == "lr" and all("norm" in n for n in names(model, plain["params"]))
+    assert len(matrices) + len(head["params"]) + len(plain["params"]) == len(list(model.parameters()))  # each once
+    assert muon.param_groups[0]["peak_lr"] == 0.02 and muon.param_groups[0]["momentum"] == 0.95
+    seed = optimizers_for(model, TrainConfig())
+    assert [type(o) for o in seed] == [torch.optim.AdamW]  # the seed's, unchanged
+    assert [(g["weight_decay"], g["betas"], g["lr"]) for g in seed[0].param_groups] == [(0.1, (0.9, 0.95), 5e-4)] + [
+        (0.0, (0.9, 0.95), 5e-4)
+    ]
+    untied = small_model(tie_embeddings=False)
+    named = {g["name"]: names(untied, g["params"]) for g in optimizers_for(untied, MUON)[0].param_groups}
+    assert named["embed"] == {"tok_embeddings.weight"} and named["head"] == {"output.weight"}
     assert not is_muon_matrix("output.weight", torch.zeros(3, 3))  # an untied head stays with AdamW
+
+
+@pytest.mark.parametrize("dim", [64, 768])
+def test_each_group_runs_at_its_own_peak_lr_on_the_schedule(dim):
+    """nanochat's AdamW LRs beside Muon: embedding 0.2, head 0.004, times (dim / 768) ** -0.5;
+    the norms at --lr, Muon at --muon-lr; betas (0.8, 0.95) for the embedding and head."""
+    width = (dim / 768) ** -0.5
+    cfg = dataclasses.replace(MUON, tie_embeddings=False)
+    assert peak_lrs(cfg, dim) == pytest.approx({"lr": 1e-3, "embed": 0.2 * width, "head": 0.004 * width, "muon": 0.02})
+    assert peak_lrs(MUON, dim) == pytest.approx({"lr": 1e-3, "head": 0.004 * width, "muon": 0.02})  # tied
+    assert peak_lrs(dataclasses.replace(cfg, embed_lr=0.05, head_lr=0.01), dim) == {
+        "lr": 1e-3,
+        "embed": 0.05,
+        "head": 0.01,
+        "muon": 0.02,
+    }
+    assert peak_lrs(TrainConfig(), dim) == {"lr": 5e-4}
+    model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=dim, n_heads=4, tie_embeddings=False))
+    optimizers = optimizers_for(model, cfg)
+    at = {"warmup": 5, "peak": 10, "end": cfg.max_steps}
+    for step, fraction in ((at["warmup"], 5 / 500), (at["peak"], 10 / 500)):
+        lrs = apply_schedule(optimizers, cfg, step)
+        assert lrs == pytest.approx({k: v * fraction for k, v in peak_lrs(cfg, dim).items()}, rel=1e-12)
+        assert {n: g["lr"] for n, g in groups_by_name(optimizers).items()} == lrs
+    groups = groups_by_name(optimizers)
+    assert groups["embed"]["betas"] == groups["head"]["betas"] == (0.8, 0.95) and groups["lr"]["betas"] == (0.9, 0.95)
+    assert apply_schedule(optimizers, cfg, at["end"])["muon"] == pytest.approx(0.02 * 0.1)  # cosine's floor
+
+
+def test_muons_momentum_warms_up_linearly_from_085():
+    cfg = dataclasses.replace(MUON, muon_momentum=0.95, muon_momentum_warmup=300)
+    for step, want in ((0, 0.85), (150, 0.90), (300, 0.95), (1000, 0.95)):
+        assert muon_momentum_at(cfg, step) == pytest.approx(want, rel=1e-12)
+    assert muon_momentum_at(dataclasses.replace(cfg, muon_momentum_warmup=0), 0) == 0.95  # off
+    optimizers = optimizers_for(small_model(), cfg)
+    apply_schedule(optimizers, cfg, 150)
+    assert optimizers[1].param_groups[0]["momentum"] == pytest.approx(0.90)
+
+
+def test_muon_weight_decay_shrinks_the_matrices_by_lr_times_it():
+    """Decoupled: p <- p * (1 - lr * wd) - lr' * update, so two runs that differ only in the decay
+    differ by lr * wd * p, with the schedule's lr of that step."""
+    runs = {}
+    for wd in (0.0, 0.5):
+        model = small_model()
+        cfg = dataclasses.replace(MUON, muon_weight_decay=wd, warmup_steps=10)
+        optimizers = optimizers_for(model, cfg)
+        before = model.layers[0].attention.wq.weight.detach().clone()
+        lr = apply_schedule(optimizers, cfg, 5)["muon"]  # half-way up the warmup: 0.01
+        steps(model, optimizers, torch.amp.GradScaler("cpu", enabled=False), 1)
+        runs[wd] = model.layers[0].attention.wq.weight.detach()
+    assert lr == pytest.approx(0.01)
+    torch.testing.assert_close(runs[0.0] - runs[0.5], lr * 0.5 * before, rtol=1e-4, atol=1e-7)
+    assert not torch.equal(runs[0.0], runs[0.5])
 
 
 def loss_of(model: Transformer, seed: int) -> torch.Tensor:
@@ -103,7 +171,7 @@ def test_both_optimizers_state_round_trips_through_a_checkpoint(tmp_path):
     steps(restored, restored_opt, no_scaler, 2, start=2)
     for (name, a), b in zip(model.named_parameters(), restored.parameters()):
         assert torch.equal(a, b), name
-    assert restored_opt[-1].param_groups[-1]["lr_scale"] == pytest.approx(20)
+    assert restored_opt[-1].param_groups[-1]["peak_lr"] == 0.02
 
 
 def test_muon_trains(tiny_data, tmp_path, capsys):
@@ -207,4 +275,51 @@ def test_muon_with_document_attention_under_ddp_follows_one_process(tiny_data, t
     recipe = ("--optimizer", "muon", "--attention", "document", "--schedule", "wsd")
     assert_same_curve(
         train_dist(tiny_data, tmp_path / "ddp", 2, *recipe), train_dist(tiny_data, tmp_path / "one", 0, *recipe)
+    )
+
+
+CHANGED = {  # per optimizer: flags a resume changes, and the group settings they must show after its steps
+    "adamw": (
+        ("--lr", "2e-3", "--weight-decay", "0.05", "--beta1", "0.85"),
+        {("lr", True): {"peak_lr": 2e-3, "weight_decay": 0.05, "betas": (0.85, 0.95)}},
+        "lr 0.001 -> 0.002, weight_decay 0.1 -> 0.05, beta1 0.9 -> 0.85",
+    ),
+    "muon": (
+        ("--muon-lr", "0.01", "--head-lr", "0.003", "--muon-momentum", "0.9", "--muon-weight-decay", "0.1"),
+        {("muon", True): {"peak_lr": 0.01, "weight_decay": 0.1, "momentum": 0.9}, ("head", True): {"peak_lr": 0.003}},
+        "muon_lr 0.02 -> 0.01, head_lr 0.0 -> 0.003, muon_weight_decay 0.0 -> 0.1, muon_momentum 0.95 -> 0.9",
+    ),
+}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_resume_takes_the_configs_optimizer_settings(tiny_data, tmp_path, capsys, optimizer):
+    """A changed setting applies to every group after the resume and is named in one line; an
+    unchanged config resumes bit for bit."""
+    import shutil
+
+    from test_reliability import records, run_args
+
+    flags, want, line = CHANGED[optimizer]
+    recipe = ("--optimizer", optimizer, "--lr", "1e-3", "--muon-momentum-warmup", "0", "--keep-checkpoints", "3")
+    assert run_main(train.main, run_args(tiny_data, tmp_path / "reference", *recipe), capsys)[0] == 0
+    for name, extra in (("same", ()), ("changed", flags)):
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "reference" / "ckpt_00000004.pt", tmp_path / name)
+        code, out, err = run_main(
+            train.main, [*run_args(tiny_data, tmp_path / name, *recipe, *extra), "--resume"], capsys
+        )
+        assert code == 0 and "at step 4" in out, err
+        assert ("resume: " in out) is (name == "changed"), out
+    assert records(tmp_path / "same") == [r for r in records(tmp_path / "reference") if r["step"] > 4]
+    assert f"resume: {line} (the config's values apply)" in out
+    saved = torch.load(tmp_path / "changed" / "ckpt_00000010.pt", weights_only=True)["optimizer"]["param_groups"]
+    groups = {(g["name"], g["decayed"]): g for g in saved}  # the groups as the steps after the resume ran them
+    for name, settings in want.items():
+        for key, value in settings.items():
+            got = tuple(groups[name][key]) if key == "betas" else groups[name][key]
+            assert got == pytest.approx(value), (name, key)
+    last = read_metrics(tmp_path / "changed")[-1]
+    assert last["lr/muon" if optimizer == "muon" else "lr"] != read_metrics(tmp_path / "reference")[-1].get(
+        "lr/muon" if optimizer == "muon" else "lr"
     )

@@ -1,0 +1,113 @@
+"""--recipe seed|modern sets its values below a TOML file and flags, and the run's config.toml
+reproduces the run; --zero-init and --qk-norm build what they say; the run's first lines name every
+recipe choice that differs from the seed's, and the dashboard shows each optimizer group's LR."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run_main, tiny_args, train_refuses
+from fastpt import train
+from fastpt.config import FIELDS, PRESETS, TrainConfig, resolve, to_toml
+from fastpt.metrics import Dashboard
+from fastpt.model import Transformer
+from fastpt.optim import optimizers_for
+from fastpt.recipes import RECIPES
+
+MODERN = {"optimizer": "muon", "schedule": "wsd", "decay_shape": "sqrt", "qk_norm": True, "zero_init": True}
+
+
+def test_every_recipe_sets_known_keys_and_seed_sets_none():
+    assert RECIPES["seed"] == {} and RECIPES["modern"] == MODERN
+    for values in RECIPES.values():
+        assert set(values) <= set(FIELDS)
+        TrainConfig(**values)  # each value of its field's type: validate() below checks the choices
+    assert resolve({"recipe": "seed"}, None, "cpu") == resolve({}, None, "cpu")
+
+
+def test_modern_sets_its_values_and_explicit_flags_or_toml_keys_win(tmp_path):
+    cfg = resolve({"recipe": "modern"}, None, "cpu")
+    assert {k: getattr(cfg, k) for k in MODERN} == MODERN
+    assert cfg.max_steps == 300 and cfg.preset == "tiny"  # the CPU profile still applies below it
+    assert resolve({"recipe": "modern", "optimizer": "adamw"}, None, "cpu").optimizer == "adamw"
+    (tmp_path / "run.toml").write_text('recipe = "modern"\nschedule = "cosine"\n')
+    from_file = resolve({"zero_init": False}, str(tmp_path / "run.toml"), "cpu")
+    assert (from_file.schedule, from_file.zero_init, from_file.optimizer) == ("cosine", False, "muon")
+
+
+def test_the_runs_config_toml_names_the_recipe_and_reproduces_the_config(tmp_path):
+    cfg = resolve({"recipe": "modern", "lr": 3e-3, "decay_floor": 0.05}, None, "cpu")
+    text = to_toml(cfg)
+    assert text.splitlines()[0].startswith("# recipe modern: optimizer=muon, schedule=wsd")
+    (tmp_path / "config.toml").write_text(text)
+    assert resolve({}, str(tmp_path / "config.toml"), "cpu") == cfg
+
+
+def test_an_unknown_recipe_is_one_line_with_a_suggestion(tmp_path, capsys):
+    train_refuses(capsys, [*TINY, "--out", str(tmp_path), "--recipe", "modrn"], "'modrn'", "did you mean 'modern'")
+
+
+def test_help_lists_what_each_recipe_sets(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "modern: optimizer=muon, schedule=wsd, decay_shape=sqrt, qk_norm=True, zero_init=True" in help_text
+
+
+def test_zero_init_starts_the_output_projections_at_zero_and_a_step_moves_them(tiny_data, tmp_path, capsys):
+    cfg = TrainConfig(zero_init=True, seed=3)
+    mcfg = dataclasses.replace(PRESETS["tiny"], vocab_size=97)
+    net = train.build_model(cfg, mcfg, torch.device("cpu"), train.distributed.ONE_PROCESS)
+    projections = {n: p for n, p in net.raw.named_parameters() if n.endswith(("wo.weight", "w2.weight"))}
+    assert len(projections) == 2 * mcfg.n_layers and all(not p.any() for p in projections.values())
+    assert all(p.abs().sum() > 0 for n, p in net.raw.named_parameters() if n not in projections)
+    plain = train.build_model(TrainConfig(seed=3), mcfg, torch.device("cpu"), train.distributed.ONE_PROCESS)
+    assert all(p.any() for p in plain.raw.parameters())  # the GPT-2 init without the flag
+    code, _, err = run_main(train.main, tiny_args(tiny_data, tmp_path, max_steps=2, zero_init=True), capsys)
+    assert code == 0, err
+    trained, _ = Transformer.from_checkpoint(tmp_path / "ckpt_00000002.pt", torch.device("cpu"))
+    assert all(p.any() for n, p in trained.named_parameters() if n in projections)
+
+
+def test_qk_norm_adds_a_scale_per_head_dim_to_queries_and_keys():
+    base = dataclasses.replace(PRESETS["tiny"], vocab_size=97, n_kv_heads=2)
+    with_norm = dataclasses.replace(base, qk_norm=True)
+    model = Transformer(with_norm)
+    assert with_norm.num_params() == model.num_params() == base.num_params() + 2 * base.n_layers * base.head_dim
+    assert model.layers[0].attention.q_norm.weight.shape == (base.head_dim,)
+    torch.manual_seed(0)
+    x = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        model.layers[0].attention.wq.weight.mul_(100.0)  # QK-norm: the queries' scale does not reach the scores
+        scaled = model(x).logits
+        model.layers[0].attention.wq.weight.div_(100.0)
+        torch.testing.assert_close(model(x).logits, scaled, atol=1e-4, rtol=0)
+
+
+def test_the_summary_names_the_recipe_choices_and_the_dashboard_each_groups_lr(tiny_data, tmp_path, capsys):
+    args = tiny_args(tiny_data, tmp_path / "modern", "--recipe", "modern", max_steps=4, warmup_steps=1, log_every=2)
+    code, out, err = run_main(train.main, [*args, "--no-tie-embeddings", "--packing", "bos"], capsys)
+    assert code == 0, err
+    line = next(line for line in out.splitlines() if line.startswith("recipe "))
+    for choice in ("optimizer muon", "schedule wsd", "decay_shape sqrt", "qk_norm True", "zero_init True"):
+        assert choice in line, line
+    assert "tie_embeddings False" in line and "packing bos" in line
+    record = read_metrics(tmp_path / "modern")[0]
+    assert {"lr", "lr/muon", "lr/embed", "lr/head"} <= set(record)
+    dash = next(line for line in out.splitlines() if line.startswith("Step     2/4 | Loss"))
+    assert f"LR: {record['lr']:.2e} embed {record['lr/embed']:.2e} head {record['lr/head']:.2e} " in dash
+    assert f"muon {record['lr/muon']:.2e} | Norm" in dash
+    code, out, err = run_main(train.main, tiny_args(tiny_data, tmp_path / "seed", max_steps=2), capsys)
+    assert code == 0 and "recipe seed | vs the seed's: none" in out, err
+
+
+def test_a_dashboard_line_without_other_groups_shows_one_lr():
+    dash = Dashboard(10, 1, 1, 0.0, None, torch.device("cpu"), False, False)
+    record = {"step": 1, "loss": 1.0, "ppl": 2.7, "lr": 5e-4, "grad_norm": 1.0, "peak_mem_gib": 0.5, "tok_s": 1.0}
+    assert "| LR: 5.00e-04 | Norm" in dash.line({**record, "mfu": None}, None)
+    assert "| LR: 5.00e-04 muon 2.00e-02 | Norm" in dash.line({**record, "mfu": None, "lr/muon": 0.02}, None)
+    model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=97))
+    assert {g["name"] for o in optimizers_for(model, TrainConfig()) for g in o.param_groups} == {"lr"}
