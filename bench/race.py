@@ -36,10 +36,17 @@ from fastpt.errors import USAGE_EXIT, FastptError
 
 RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to the seed recipe
     "seed": [],
-    "wsd": ["--schedule", "wsd"],
-    "muon": ["--optimizer", "muon"],
+    "wsd": ["--schedule", "wsd"],  # linear to 0
+    "wsd-sqrt": ["--schedule", "wsd", "--decay-shape", "sqrt"],
+    "muon": ["--optimizer", "muon"],  # with its per-group defaults: embed/head LRs, betas, momentum warmup
+    "muon-plain": shlex.split(
+        "--optimizer muon --muon-momentum-warmup 0 --muon-adam-beta1 0.9 --head-lr {lr} --embed-lr {lr}"
+    ),
+    "qk-norm": ["--qk-norm"],
+    "zero-init": ["--zero-init"],
     "untied": ["--no-tie-embeddings"],
     "bos": ["--packing", "bos"],
+    "modern": ["--recipe", "modern"],
 }
 # a recipe the sweep skips runs at the best multiplier of its base (the seed's by default)
 BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon"}
@@ -48,6 +55,7 @@ NOT_OPTIONS = ("seed", "modern", "best")  # never members of the best combinatio
 LR_FLAGS = {"lr": "--lr", "embed": "--embed-lr", "head": "--head-lr", "muon": "--muon-lr"}
 MODEL = "--preset tiny --dim 64 --n-layers 3 --n-heads 4 --ffn-dim 176 --seq-len 128 --micro-batch 16"
 EVALS = 25  # evals per run
+CHECK_STEPS = 1000  # the run length flags are checked at before a corpus's own is known
 
 
 class UsageError(FastptError):
@@ -72,7 +80,7 @@ def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
         chosen[name] = shlex.split(flags)
     if next(iter(chosen), None) != "seed":
         raise UsageError("the seed recipe runs first (--recipes seed,...)")
-    seed_lr = str(resolve(common_flags(args, 1), args.device).lr)
+    seed_lr = str(resolve(common_flags(args, CHECK_STEPS), args.device).lr)
     return {name: [f.replace("{lr}", seed_lr) for f in flags] for name, flags in chosen.items()}
 
 
@@ -84,11 +92,12 @@ def resolve(flags: list[str], device: str):
     return config.resolve(cli_values, config_file, device or config.pick_device(cli_values))
 
 
-def check_recipes(chosen: dict[str, list[str]], args: argparse.Namespace) -> None:
-    """Every recipe's flags through fastpt's parser; the first bad one is one line naming it."""
+def check_recipes(chosen: dict[str, list[str]], args: argparse.Namespace, steps: int = CHECK_STEPS) -> None:
+    """Every recipe's flags through fastpt's parser at this run length (before any corpus is prepared,
+    a typical one; before a corpus's first run, its own); the first bad one is one line naming it."""
     for name, flags in chosen.items():
         try:
-            resolve(common_flags(args, 1) + flags, args.device)
+            resolve(common_flags(args, steps) + flags, args.device)
         except FastptError as e:
             raise UsageError(f"recipe {name!r} ({' '.join(flags)}): {e}") from None
 
@@ -104,19 +113,12 @@ def common_flags(args: argparse.Namespace, steps: int) -> list[str]:
 # ---- the LR sweep
 
 
-def peak_lrs(cfg, dim: int, tied: bool) -> dict[str, float]:
-    """The run's peak LRs by group name (fastpt.optim.peak_lrs)."""
-    out = {"lr": cfg.lr}
-    if cfg.optimizer == "muon":
-        out["muon"] = cfg.muon_lr
-    return out
-
-
 def lr_flags(flags: list[str], multiplier: float, args: argparse.Namespace, vocab: int) -> tuple[list[str], dict]:
     """The flags that set every peak LR of this recipe to `multiplier` x its own, and those LRs."""
+    from fastpt.optim import peak_lrs
     from fastpt.presets import model_config
 
-    cfg = resolve(common_flags(args, 1) + flags, args.device)
+    cfg = resolve(common_flags(args, CHECK_STEPS) + flags, args.device)
     m = model_config(cfg, vocab)
     lrs = {k: v * multiplier for k, v in peak_lrs(cfg, m.dim, m.tie_embeddings).items()}
     return [x for k, v in lrs.items() for x in (LR_FLAGS[k], f"{v:.6g}")], lrs
@@ -204,6 +206,7 @@ class Race:
 
     def race(self, chosen: dict[str, list[str]]) -> dict:
         """Every recipe at its best LR, the noise, and the best combination of what beat it."""
+        check_recipes(chosen, self.args, self.steps)
         mults, swept = [float(m) for m in self.args.multipliers.split(",")], self.args.sweep.split(",")
         best: dict[str, dict | None] = {}
         for name, flags in chosen.items():
@@ -284,12 +287,12 @@ def model_size(args: argparse.Namespace, data: Path) -> tuple[int, int]:
 
     vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
     with torch.device("meta"):
-        model = Transformer(model_config(resolve(common_flags(args, 1), args.device), vocab))
+        model = Transformer(model_config(resolve(common_flags(args, CHECK_STEPS), args.device), vocab))
     return vocab, model.num_params()
 
 
 def tokens_per_step(args: argparse.Namespace) -> int:
-    cfg = resolve(common_flags(args, 1), args.device)
+    cfg = resolve(common_flags(args, CHECK_STEPS), args.device)
     return cfg.seq_len * cfg.micro_batch * cfg.grad_accum
 
 

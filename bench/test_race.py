@@ -53,22 +53,33 @@ def test_the_command_exits_2_and_help_shows_the_whole_description(capsys):
     assert race.__doc__.strip().splitlines()[-1] in capsys.readouterr().out
 
 
-def test_a_multiplier_scales_every_peak_lr_of_a_muon_recipe():
+@pytest.mark.parametrize(
+    ("flags", "groups"),
+    [(["--optimizer", "muon"], {"lr", "muon", "head"}), (["--recipe", "modern", "--no-tie-embeddings"], {"embed"})],
+)
+def test_a_multiplier_scales_every_peak_lr_of_a_muon_recipe(flags, groups):
     args = race.parse_args([])
-    flags = ["--optimizer", "muon"]
     base = resolved_lrs(flags, args)
     lr_args, lrs = race.lr_flags(flags, 2.0, args, 1024)
-    assert {"lr", "muon"} <= set(base) and lrs == pytest.approx({k: 2 * v for k, v in base.items()})
+    assert groups <= set(base) and lrs == pytest.approx({k: 2 * v for k, v in base.items()})
     assert resolved_lrs(flags + lr_args, args) == pytest.approx(lrs)  # the flags set exactly those LRs
     assert set(lr_args[::2]) == {race.LR_FLAGS[k] for k in base}
 
 
+def test_muon_plain_gives_the_embedding_and_head_the_seeds_lr():
+    args = race.parse_args(["--recipes", "seed,muon-plain"])
+    plain = race.recipes(args)["muon-plain"]
+    assert plain[plain.index("--head-lr") + 1] == plain[plain.index("--embed-lr") + 1] == "0.002"  # the CPU seed's
+    assert resolved_lrs(plain, args) == {"lr": 0.002, "head": 0.002, "muon": 0.02}
+
+
 def resolved_lrs(flags: list[str], args) -> dict[str, float]:
+    from fastpt.optim import peak_lrs
     from fastpt.presets import model_config
 
-    cfg = race.resolve(race.common_flags(args, 1) + flags, args.device)
+    cfg = race.resolve(race.common_flags(args, race.CHECK_STEPS) + flags, args.device)
     m = model_config(cfg, 1024)
-    return race.peak_lrs(cfg, m.dim, m.tie_embeddings)
+    return peak_lrs(cfg, m.dim, m.tie_embeddings)
 
 
 def test_the_best_lr_is_the_lowest_final_loss_and_an_edge_is_named():
