@@ -125,8 +125,8 @@ def lr_flags(flags: list[str], multiplier: float, args: argparse.Namespace, voca
 
 
 def best_run(runs: list[dict]) -> dict | None:
-    """The run with the lowest final loss (failed runs never)."""
-    ok = [r for r in runs if "error" not in r]
+    """The run with the lowest final loss (failed runs, and those with no or a non-finite loss, never)."""
+    ok = [r for r in runs if "error" not in r and math.isfinite(r["final_val_loss"] or math.nan)]
     return min(ok, key=lambda r: r["final_val_loss"], default=None)
 
 

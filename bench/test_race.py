@@ -88,7 +88,7 @@ def test_the_best_lr_is_the_lowest_final_loss_and_an_edge_is_named():
     assert best["multiplier"] == 1.0 and not race.at_edge(best, runs[:3])
     runs[2]["final_val_loss"] = 2.9
     assert race.best_run(runs)["multiplier"] == 2.0 and race.at_edge(runs[2], runs[:3])
-    assert race.best_run([row("seed", 0.0, error="boom")]) is None
+    assert race.best_run([row("seed", 0.0, error="boom"), row("seed", float("nan")), row("seed", None)]) is None
 
 
 def test_an_option_within_the_noise_does_not_join_the_best_combination():
