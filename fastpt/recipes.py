@@ -17,7 +17,6 @@ RECIPES: dict[str, dict[str, Any]] = {
         "schedule": "wsd",
         "decay_shape": "sqrt",
         "qk_norm": True,
-        "zero_init": True,
     },
 }
 

@@ -17,7 +17,7 @@ from fastpt.model import Transformer
 from fastpt.optim import optimizers_for
 from fastpt.recipes import RECIPES
 
-MODERN = {"optimizer": "muon", "schedule": "wsd", "decay_shape": "sqrt", "qk_norm": True, "zero_init": True}
+MODERN = {"optimizer": "muon", "schedule": "wsd", "decay_shape": "sqrt", "qk_norm": True}
 
 
 def test_every_recipe_sets_known_keys_and_seed_sets_none():
@@ -34,8 +34,8 @@ def test_modern_sets_its_values_and_explicit_flags_or_toml_keys_win(tmp_path):
     assert cfg.max_steps == 300 and cfg.preset == "tiny"  # the CPU profile still applies below it
     assert resolve({"recipe": "modern", "optimizer": "adamw"}, None, "cpu").optimizer == "adamw"
     (tmp_path / "run.toml").write_text('recipe = "modern"\nschedule = "cosine"\n')
-    from_file = resolve({"zero_init": False}, str(tmp_path / "run.toml"), "cpu")
-    assert (from_file.schedule, from_file.zero_init, from_file.optimizer) == ("cosine", False, "muon")
+    from_file = resolve({"qk_norm": False}, str(tmp_path / "run.toml"), "cpu")
+    assert (from_file.schedule, from_file.qk_norm, from_file.optimizer) == ("cosine", False, "muon")
 
 
 def test_the_runs_config_toml_names_the_recipe_and_reproduces_the_config(tmp_path):
@@ -54,7 +54,7 @@ def test_help_lists_what_each_recipe_sets(capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "modern: optimizer=muon, schedule=wsd, decay_shape=sqrt, qk_norm=True, zero_init=True" in help_text
+    assert "modern: optimizer=muon, schedule=wsd, decay_shape=sqrt, qk_norm=True" in help_text
 
 
 def test_zero_init_starts_the_output_projections_at_zero_and_a_step_moves_them(tiny_data, tmp_path, capsys):
@@ -92,7 +92,7 @@ def test_the_summary_names_the_recipe_choices_and_the_dashboard_each_groups_lr(t
     code, out, err = run_main(train.main, [*args, "--no-tie-embeddings", "--packing", "bos"], capsys)
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("recipe "))
-    for choice in ("optimizer muon", "schedule wsd", "decay_shape sqrt", "qk_norm True", "zero_init True"):
+    for choice in ("optimizer muon", "schedule wsd", "decay_shape sqrt", "qk_norm True"):
         assert choice in line, line
     assert "tie_embeddings False" in line and "packing bos" in line
     record = read_metrics(tmp_path / "modern")[0]
