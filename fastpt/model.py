@@ -157,7 +157,12 @@ class Transformer(nn.Module):
     selective, see CHECKPOINTED_BLOCKS) trades a recomputed forward for activation memory."""
 
     def __init__(
-        self, cfg: ModelConfig, backend: str = "auto", z_loss: float = 0.0, activation_checkpointing: str = "none"
+        self,
+        cfg: ModelConfig,
+        backend: str = "auto",
+        z_loss: float = 0.0,
+        activation_checkpointing: str = "none",
+        zero_init: bool = False,
     ):
         super().__init__()
         cfg.check()
@@ -175,7 +180,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        self.reset_parameters(zero_init)
 
     @classmethod
     def from_checkpoint(cls, path: Path, device: torch.device) -> tuple[Transformer, dict]:

@@ -157,9 +157,8 @@ def group_settings(group: dict, cfg: TrainConfig, peaks: dict[str, float]) -> di
     return {"peak_lr": peaks[name], "weight_decay": decay, "betas": (beta1, cfg.beta2), "eps": cfg.eps}
 
 
-def muon_adamw_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+def muon_adamw_groups(model: nn.Module, cfg: TrainConfig, tied: bool) -> list[dict]:
     """AdamW's groups beside Muon: one per (role, decayed) pair that has parameters."""
-    tied = getattr(model, "output", None) is None
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad and not is_muon_matrix(name, p):
@@ -184,7 +183,7 @@ def optimizers_for(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optim
         muon = torch.optim.Muon(
             [{"params": matrices, "name": "muon", "decayed": True}], lr=cfg.muon_lr, momentum=cfg.muon_momentum
         )
-        optimizers = [adamw(muon_adamw_groups(model, cfg), model, lr=cfg.lr), muon]
+        optimizers = [adamw(muon_adamw_groups(model, cfg, tied), model, lr=cfg.lr), muon]
     reapply_settings(optimizers, cfg, model.cfg.dim, tied)
     return optimizers
 

@@ -143,16 +143,14 @@ class TrainState:
 def build_model(
     cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, d: distributed.Dist, init_weights: dict | None = None
 ) -> Net:
-    """The seeded model (from --init-from's weights if given, else --zero-init's), float8, compiled and parallelized
-    in torchtitan's order, its optimizers and precision."""
+    """The seeded model (--init-from's weights if given; --zero-init zeroes its output projections),
+    float8, compiled and parallelized in torchtitan's order, its optimizers and precision."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw = Transformer(mcfg, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing)
+    raw = Transformer(mcfg, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing, cfg.zero_init)
     if init_weights is not None:
         raw.load_state_dict(init_weights)
-    elif cfg.zero_init:
-        raw.reset_parameters(zero_init=True)
     if raw.output_weight.device != device:  # built in place already: fastpt.plan's fake model cannot be moved
         raw.to(device)
     if cfg.float8:  # before compiling and sharding
