@@ -279,16 +279,11 @@ def score(result: dict, speeds: dict[str, float]) -> None:
 
 
 def model_size(args: argparse.Namespace, data: Path) -> tuple[int, int]:
-    """The data's vocab and the seed model's parameter count on it (built on the meta device)."""
-    import torch
-
-    from fastpt.model import Transformer
+    """The data's vocab and the seed model's parameter count on it."""
     from fastpt.presets import model_config
 
     vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
-    with torch.device("meta"):
-        model = Transformer(model_config(resolve(common_flags(args, CHECK_STEPS), args.device), vocab))
-    return vocab, model.num_params()
+    return vocab, model_config(resolve(common_flags(args, CHECK_STEPS), args.device), vocab).num_params()
 
 
 def tokens_per_step(args: argparse.Namespace) -> int:
