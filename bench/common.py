@@ -102,7 +102,7 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float | None:
 
 def cuda_context_gib(device: torch.device) -> float | None:
     """What this CUDA process holds outside torch's allocator after a matmul (context, kernels,
-    cuBLAS): the card's used memory less torch's reserve. fastpt.plan assumes plan.CUDA_CONTEXT."""
+    cuBLAS): the card's used memory less torch's reserve. fastpt.plan assumes gpus.CUDA_CONTEXT."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)

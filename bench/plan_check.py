@@ -22,9 +22,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.common import REPO, env_info, markdown_table, write_json
-from fastpt import distributed, plan
+from fastpt import distributed
 from fastpt.cli import parse_args
 from fastpt.config import resolve
+from fastpt.plan import planner
+from fastpt.step import build_model, train_step
 
 # CPU runs: the plan against the allocator (tiny shapes, so the real steps run in seconds; the
 # compiled ones pay Inductor's C++ compile, a minute or more on a loaded 2-core machine)
@@ -49,21 +51,20 @@ PLAN_TIMINGS = {
 
 def allocator_peak(args: list[str]) -> int:
     """Bytes: the CPU allocator's peak over two real steps of the CPU run these flags describe, built
-    and stepped as the plan builds and steps it (train.build_model, train.train_step, at most two
+    and stepped as the plan builds and steps it (step.build_model, step.train_step, at most two
     micro-steps), on random tokens."""
-    from fastpt.train import build_model, train_step
 
     cli, config_file = parse_args(args)
     cfg = resolve(cli, config_file, "cpu")
-    mcfg = plan.planned_model(cfg)
-    loader = plan.FakeLoader(cfg.micro_batch, cfg.seq_len or mcfg.max_seq_len, mcfg.vocab_size)
+    mcfg = planner.planned_model(cfg)
+    loader = planner.FakeLoader(cfg.micro_batch, cfg.seq_len or mcfg.max_seq_len, mcfg.vocab_size)
     gc.collect()
     gc.disable()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             net = build_model(cfg, mcfg, torch.device("cpu"), distributed.ONE_PROCESS)
             for _ in range(2):
-                train_step(net, loader, plan.step_config(cfg))
+                train_step(net, loader, planner.step_config(cfg))
     finally:
         gc.enable()
         torch._dynamo.reset()
@@ -83,8 +84,8 @@ def allocator_peak(args: list[str]) -> int:
 def planned_peak(args: list[str]) -> int:
     """Bytes: the plan's peak for the CPU run these flags describe."""
     cli, config_file = parse_args(args)
-    cfg, target = plan.planned_config({**cli, "device": "cpu"}, config_file)
-    return plan.trace(cfg, target, 1).peak.bytes
+    cfg, target = planner.planned_config({**cli, "device": "cpu"}, config_file)
+    return planner.trace(cfg, target, 1).peak.bytes
 
 
 def accuracy_rows(skip_compiled: bool) -> list[dict]:
@@ -137,7 +138,7 @@ def markdown(accuracy: list[dict], timings: list[dict], info: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench plan", description=__doc__)
-    ap.add_argument("--save", help="write plan.json and plan.md into this folder")
+    ap.add_argument("--save", help="write planner.json and planner.md into this folder")
     ap.add_argument("--skip-timings", action="store_true")
     ap.add_argument("--skip-compiled", action="store_true", help="leave out the compiled accuracy rows (slow)")
     args = ap.parse_args(argv)
@@ -149,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(accuracy, timings, info)
     print(table)
     if args.save:
-        write_json(Path(args.save) / "plan.json", {"info": info, "accuracy": accuracy, "timings": timings})
-        (Path(args.save) / "plan.md").write_text(table + "\n")
+        write_json(Path(args.save) / "planner.json", {"info": info, "accuracy": accuracy, "timings": timings})
+        (Path(args.save) / "planner.md").write_text(table + "\n")
     worst = max((abs(r["error"]) for r in accuracy), default=0.0)
     return 0 if worst <= 0.06 and all(r["rc"] == 0 for r in timings) else 1
 

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from bench.common import REPO, git_commit, markdown_table, write_json
+from fastpt.data.sources import documents, find_sources
+from fastpt.data.tokenizer import load_tokenizer
 from fastpt.prepare import TOKENIZER_SAMPLE_MB, batches, stdlib_sources
-from fastpt.sources import documents, find_sources
-from fastpt.tokenizer import load_tokenizer
 
 FILE_BYTES = 128 * 2**20  # corpus files of about this much text
 

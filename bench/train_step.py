@@ -46,19 +46,21 @@ from bench.common import (
     sync,
     write_json,
 )
-from fastpt import cuda_memory, float8, plan
-from fastpt.compiled_memory import recompile_for_plan
+from fastpt import float8
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig
-from fastpt.data import TrainLoader, Windows, data_vocab, find_shards
+from fastpt.data.dataset import Windows, data_vocab, find_shards
+from fastpt.data.loader import TrainLoader
+from fastpt.data.shards import write_shard
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer
+from fastpt.plan import gpus, planner
+from fastpt.plan.compiled import recompile_for_plan
 from fastpt.presets import model_config
 from fastpt.profiling import compiled_graphs
-from fastpt.shards import write_shard
-from fastpt.train import Net, train_step
+from fastpt.step import Net, train_step
 
 
 class Baseline(baseline.GPT):
@@ -219,14 +221,14 @@ def planned_peak(setup: Setup, mode: Mode) -> float | None:
     GPU, the same build traced over fake tensors (None for CUDA graphs, whose pools it does not model)."""
     if mode.compile_mode in CUDA_GRAPH_MODES:
         return None
-    with plan.fake_run("cuda", 1, mode.compile) as (_, mem):
+    with planner.fake_run("cuda", 1, mode.compile) as (_, mem):
         run = build(dataclasses.replace(setup, device="cpu"), mode, "triton" if mode.kernels else "torch")
         try:
             recompile_for_plan(run.model, "cuda")
-            plan.trace_steps(mem, run.step, run.model, [run.optimizer])
+            planner.trace_steps(mem, run.step, run.model, [run.optimizer])
         finally:
             run.loader.close()
-    return plan.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30
+    return planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30
 
 
 def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
@@ -344,7 +346,7 @@ def markdown(rows: list[dict], info: dict) -> str:
     if info["matmul_tflops"]:
         head += f" · bf16 matmul ceiling {info['matmul_tflops']:.0f} TFLOP/s"
     if info.get("cuda_context_gib") is not None:
-        head += f" · CUDA context {info['cuda_context_gib']:.2f} GiB (planned {cuda_memory.CUDA_CONTEXT / 2**30:.2f})"
+        head += f" · CUDA context {info['cuda_context_gib']:.2f} GiB (planned {gpus.CUDA_CONTEXT / 2**30:.2f})"
     header = [
         "mode",
         "tok/s",

@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 from fastpt import files
 from fastpt.errors import CheckpointError, ConfigError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
+from fastpt.model import Transformer
 from fastpt.optim import changed_settings, reapply_settings
 from fastpt.presets import ModelConfig
 
@@ -76,8 +77,8 @@ __all__ = [
 
 if TYPE_CHECKING:  # annotations only: the run's pieces are built above this module
     from fastpt.config import TrainConfig
-    from fastpt.data import Data
-    from fastpt.train import Net, TrainState
+    from fastpt.data.dataset import Data
+    from fastpt.step import Net, TrainState
 
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 STATE_FILE = "state.pt"
@@ -366,6 +367,16 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
             if isinstance(e, FastptError):  # a refused file (CheckpointError), a loader that does not fit the data
                 raise type(e)(str(e) if str(path) in str(e) else f"{path}: {e}") from None
             raise CheckpointError(f"could not load the {name} state from {path}: {reason(e)}") from None
+
+
+def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
+    """The model of a checkpoint (a file, or an FSDP shard directory gathered whole) in eval mode,
+    and the checkpoint. Kernels follow this device ("auto"): a run that forced Triton on a GPU
+    still samples on a CPU."""
+    ckpt = load(path, device)
+    model = Transformer(ModelConfig.from_dict(ckpt["model_config"])).to(device)
+    apply(path, ckpt, {"model": ModelState(model)})
+    return model.eval(), ckpt
 
 
 def restore(

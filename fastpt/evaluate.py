@@ -11,9 +11,10 @@ import torch.nn as nn
 
 from fastpt import distributed
 from fastpt.config import TrainConfig
-from fastpt.data import Source, WindowSet, eval_batches, source_names
+from fastpt.data.dataset import Source, WindowSet, source_names
+from fastpt.data.loader import eval_batches
+from fastpt.data.tokenizer import load_tokenizer
 from fastpt.multiple_choice import MultipleChoice, read_tasks
-from fastpt.tokenizer import load_tokenizer
 
 
 def byte_table(data_dir: Path, device: torch.device) -> torch.Tensor | None:

@@ -18,9 +18,8 @@ import torch
 
 from fastpt import checkpoint, files, hf
 from fastpt.config import DTYPES
+from fastpt.data.tokenizer import load_tokenizer, pick_tokenizer_path
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
-from fastpt.model import Transformer
-from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 
 def check_out(out: Path, source: Path, overwrite: bool) -> None:
@@ -70,7 +69,7 @@ def export(
     out, shard_bytes = Path(os.path.abspath(out)), hf.parse_size(max_shard_size)  # `.` has a name: its own
     ckpt_path = checkpoint.find(Path(source))
     check_out(out, ckpt_path, overwrite)
-    model, ckpt = Transformer.from_checkpoint(ckpt_path, torch.device("cpu"))
+    model, ckpt = checkpoint.load_model(ckpt_path, torch.device("cpu"))
     tokenizer_json = pick_tokenizer_path(tokenizer, checkpoint.tokenizer_of(ckpt_path, ckpt))
     tok, doc_id = export_tokenizer(tokenizer_json, model.cfg.vocab_size, ckpt_path)
     with files.staged(out, "fastpt.export") as tmp:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from fastpt.data.tokenizer import EOT
 from fastpt.errors import CheckpointError, ConfigError, require
 from fastpt.files import write_error
 from fastpt.model import Transformer
 from fastpt.presets import ModelConfig
-from fastpt.tokenizer import EOT
 
 __all__ = [
     "from_hf_config",

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from fastpt.config import FIELDS, TrainConfig, to_toml
-from fastpt.data import Data, describe_data
+from fastpt.data.dataset import Data, describe_data
+from fastpt.data.tokenizer import copy_for_run
 from fastpt.errors import ConfigError, require
 from fastpt.files import clear_temporaries, owned_folder, write_atomic
 from fastpt.presets import ModelConfig
-from fastpt.tokenizer import copy_for_run
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), by a substring of the device name.
 PEAK_BF16_FLOPS = {

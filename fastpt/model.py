@@ -4,7 +4,6 @@ see attention.py), SwiGLU, tied or untied head."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -181,18 +180,6 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters(zero_init)
-
-    @classmethod
-    def from_checkpoint(cls, path: Path, device: torch.device) -> tuple[Transformer, dict]:
-        """The model of a checkpoint (a file, or an FSDP shard directory gathered whole) in eval
-        mode, and the checkpoint. Kernels follow this device ("auto"): a run that forced Triton on
-        a GPU still samples on a CPU."""
-        from fastpt import checkpoint as ckpt_io  # `checkpoint` here is activation checkpointing
-
-        ckpt = ckpt_io.load(path, device)
-        model = cls(ModelConfig.from_dict(ckpt["model_config"])).to(device)
-        ckpt_io.apply(path, ckpt, {"model": ckpt_io.ModelState(model)})
-        return model.eval(), ckpt
 
     def reset_parameters(self, zero_init: bool = False) -> None:
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers);

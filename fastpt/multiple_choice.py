@@ -23,8 +23,8 @@ import torch
 import torch.nn as nn
 
 from fastpt import distributed
+from fastpt.data.tokenizer import load_tokenizer
 from fastpt.errors import ConfigError, DataError
-from fastpt.tokenizer import load_tokenizer
 
 # --eval-mc-norm: what an ending's log-likelihood is divided by before the argmax. byte and char
 # count the continuation (the context's trailing whitespace, then the ending) less one leading

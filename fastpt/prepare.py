@@ -31,11 +31,11 @@ import numpy as np
 from tqdm import tqdm
 
 from fastpt import files
+from fastpt.data.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
+from fastpt.data.sources import Source, documents, find_sources
+from fastpt.data.tokenizer import KINDS, build_tokenizer, tokenizer_from_json
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.presets import PRESETS
-from fastpt.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
-from fastpt.sources import Source, documents, find_sources
-from fastpt.tokenizer import KINDS, build_tokenizer, tokenizer_from_json
 
 VAL_FRACTION = 0.005
 MAX_VAL_FRACTION = 0.1

@@ -6,12 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastpt.errors import ConfigError
-
-if TYPE_CHECKING:  # annotations only: config.py imports this module
-    from fastpt.config import TrainConfig
 
 MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
 MAX_SEQ_LEN = 2**20
@@ -151,13 +148,23 @@ def describe_presets() -> str:
 # ---- a run's model: the preset with its shape keys, fitted to the data
 
 
-def shape_keys(cfg: TrainConfig) -> dict[str, Any]:
+class RunShape(Protocol):
+    """What a run's config (fastpt.config.TrainConfig, which builds on this module) tells of its
+    model: the preset, the run's lengths and attention; its shape keys (SHAPE_FIELDS) are read by name."""
+
+    preset: str
+    seq_len: int
+    attention: str
+    init_from: str
+
+
+def shape_keys(cfg: RunShape) -> dict[str, Any]:
     """The model shape keys given (by TOML or flags) on top of the preset."""
     return {k: getattr(cfg, k) for k in SHAPE_FIELDS if getattr(cfg, k) is not None}
 
 
 def model_config(
-    cfg: TrainConfig, data_vocab: int, base: ModelConfig | None = None, doc_token: int | None = None
+    cfg: RunShape, data_vocab: int, base: ModelConfig | None = None, doc_token: int | None = None
 ) -> ModelConfig:
     """The preset (or `base`, a model to start from, whose shape the keys may not change) with the
     shape keys given on top; its vocab widened to the data's when the data needs more (e.g. GPT-2

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from fastpt import checkpoint, hf
+from fastpt.data.tokenizer import load_tokenizer, pick_tokenizer_path
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.model import Transformer
 from fastpt.settings import NON_NEGATIVE, POSITIVE, SEED
-from fastpt.tokenizer import load_tokenizer, pick_tokenizer_path
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int) -> int:
@@ -73,7 +73,7 @@ def open_model(path: Path, device: torch.device) -> tuple[Transformer, Path | No
         architecture = hf.ARCHITECTURES[model.cfg.qk_norm][1]
         return model, hf.hf_tokenizer_path(path), f"{path}: Hugging Face {architecture}, {model.num_params():,} params"
     ckpt_path = checkpoint.find(path)
-    model, ckpt = Transformer.from_checkpoint(ckpt_path, device)
+    model, ckpt = checkpoint.load_model(ckpt_path, device)
     about = f"{ckpt_path}: step {checkpoint.step_of(ckpt)}, {model.num_params():,} params"
     return model, checkpoint.tokenizer_of(ckpt_path, ckpt), about
 

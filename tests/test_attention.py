@@ -202,7 +202,7 @@ def test_export_is_the_standard_llama_whatever_the_training_mask():
 
 
 def test_the_data_folders_document_token(tiny_data, tmp_path):
-    from fastpt.data import doc_token
+    from fastpt.data.dataset import doc_token
     from fastpt.errors import DataError
 
     assert doc_token(tiny_data, "x") == json.loads((tiny_data / "meta.json").read_text())["eot_id"] == 256

@@ -12,12 +12,13 @@ import torch.nn as nn
 from conftest import eager_and_compiled, read_metrics, run_main, run_train, tiny_args
 from fastpt import train
 from fastpt.config import PRESET_BATCH, PRESETS, TrainConfig, load_toml, resolve, to_toml
-from fastpt.data import TrainLoader, Windows
+from fastpt.data.dataset import Windows
+from fastpt.data.loader import TrainLoader
+from fastpt.data.shards import read_shard, write_shard
 from fastpt.errors import ConfigError, DataError
 from fastpt.model import LogitsOutput, LossOutput, Transformer
 from fastpt.optim import build_optimizer, lr_at, param_groups
 from fastpt.presets import model_config
-from fastpt.shards import read_shard, write_shard
 
 
 def seed_lr(step, peak_lr, n_warmup, n_total, min_ratio=0.1):

@@ -21,10 +21,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import REPO, TINY, assert_one_line_error, run_main
 from fastpt import prepare, sample, train
-from fastpt.data import data_vocab, find_shards
-from fastpt.shards import read_shard, write_shard
-from fastpt.sources import parse_hub_spec
-from fastpt.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
+from fastpt.data.dataset import data_vocab, find_shards
+from fastpt.data.shards import read_shard, write_shard
+from fastpt.data.sources import parse_hub_spec
+from fastpt.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
 
 DOCS = [
     "First document.\nIt has two lines.",

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from conftest import TINY, assert_one_line_error, run_main, run_train
 from fastpt import distributed, train
 from fastpt.config import PRESETS, TrainConfig, resolve
-from fastpt.data import Windows, find_shards
+from fastpt.data.dataset import Windows, find_shards
+from fastpt.data.tokenizer import PROBE, ByteTokenizer, CharTokenizer, load_tokenizer
 from fastpt.errors import DataError
 from fastpt.evaluate import byte_table, evaluate
 from fastpt.model import Transformer
 from fastpt.multiple_choice import MultipleChoice, encode_in_context, parse_spec, read_tasks
 from fastpt.prepare import prepare
-from fastpt.tokenizer import PROBE, ByteTokenizer, CharTokenizer, load_tokenizer
 
 
 def test_token_bytes_add_up_to_the_texts_utf8_bytes(bpe_data):

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from conftest import TINY, assert_one_line_error, read_metrics, run_main, run_train
 from fastpt import checkpoint, export, hf, prepare, sample, train
 from fastpt.config import PRESETS, ModelConfig
-from fastpt.data import TrainLoader, Windows, find_shards
+from fastpt.data.dataset import Windows, find_shards
+from fastpt.data.loader import TrainLoader
+from fastpt.data.tokenizer import ByteTokenizer, load_tokenizer
 from fastpt.errors import CheckpointError, ConfigError
 from fastpt.model import Transformer
-from fastpt.tokenizer import ByteTokenizer, load_tokenizer
 
 # Small, with a non-default RoPE base and epsilon so that a lost field shows in the logits.
 SMALL = ModelConfig(
@@ -96,7 +97,7 @@ def test_a_qk_norm_model_exports_as_qwen3_with_its_logits_and_imports_back(tmp_p
 
 
 def assert_export_computes_the_checkpoint(ckpt, folder) -> None:
-    ours, _ = Transformer.from_checkpoint(ckpt, torch.device("cpu"))
+    ours, _ = checkpoint.load_model(ckpt, torch.device("cpu"))
     theirs = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 64))
     torch.testing.assert_close(logits(theirs, ids), logits(ours, ids), atol=1e-4, rtol=0)

@@ -17,13 +17,14 @@ from hypothesis import strategies as st
 from conftest import TINY, assert_one_line_error, run_main
 from fastpt import distributed, train
 from fastpt.config import PRESETS, TrainConfig, resolve
-from fastpt.data import Source, TrainLoader, data_sources, open_windows, source_names
+from fastpt.data.dataset import Source, data_sources, open_windows, source_names
+from fastpt.data.loader import TrainLoader
+from fastpt.data.shards import write_shard
+from fastpt.data.windows import MIX_BLOCK, Mixture, Windows, quotas
 from fastpt.errors import DataError
 from fastpt.evaluate import evaluate
 from fastpt.model import Transformer
 from fastpt.prepare import prepare
-from fastpt.shards import write_shard
-from fastpt.windows import MIX_BLOCK, Mixture, Windows, quotas
 
 SEQ = 7
 

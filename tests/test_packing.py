@@ -10,9 +10,10 @@ import torch
 
 from conftest import TINY, assert_one_line_error, run_main
 from fastpt import train
-from fastpt.data import MANY_EPOCHS, TrainLoader, doc_token, packing_warning
-from fastpt.shards import write_shard
-from fastpt.windows import BosWindows, Windows, best_fit
+from fastpt.data.dataset import MANY_EPOCHS, doc_token, packing_warning
+from fastpt.data.loader import TrainLoader
+from fastpt.data.shards import write_shard
+from fastpt.data.windows import BosWindows, Windows, best_fit
 
 DOC = 1000  # the document token of the synthetic shards
 HEAD, LONG = 998, 999  # ids of a shard's leading partial document and of a long document

@@ -14,22 +14,22 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from conftest import REPO, read_metrics, run_train
-from fastpt import cuda_memory, plan
 from fastpt.cli import parse_args
 from fastpt.config import resolve
 from fastpt.errors import ConfigError
-from fastpt.memory import ALIVE, CachingAllocator, Life, MemoryTrace, replay, sweep
+from fastpt.plan import gpus, planner
+from fastpt.plan.memory import ALIVE, CachingAllocator, Life, MemoryTrace, replay, sweep
 
 MIB = 2**20
 SMALL = ("--preset", "tiny", "--vocab-size", "512", "--micro-batch", "4", "--seq-len", "64")
 TABLE = REPO / "tests" / "planned_peaks.json"
 
 
-def plan_of(*flags: str) -> plan.Plan:
+def plan_of(*flags: str) -> planner.Plan:
     """The plan fastpt.train --plan makes of these flags (for CUDA unless --device cpu)."""
     cli, config_file = parse_args(list(flags))
-    cfg, target = plan.planned_config(cli, config_file)
-    return plan.trace(cfg, target, cfg.plan_world_size)
+    cfg, target = planner.planned_config(cli, config_file)
+    return planner.trace(cfg, target, cfg.plan_world_size)
 
 
 # ---- the trace against torch's tracker and the CPU allocator
@@ -40,14 +40,14 @@ def test_trace_agrees_with_torchs_mem_tracker():
     peak, byte for byte, as torch.distributed._tools.mem_tracker.MemTracker over the same fake step."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fastpt.train import build_model, train_step
+    from fastpt.step import build_model, train_step
 
     cfg = resolve(dict(preset="tiny", vocab_size=512, micro_batch=4, seq_len=64, grad_accum=1), None, "cpu")
     peaks = []
     for tracker in (MemoryTrace(), MemTracker()):
         with FakeTensorMode():
-            net = build_model(cfg, plan.planned_model(cfg), torch.device("cpu"), plan.distributed.ONE_PROCESS)
-            loader = plan.FakeLoader(4, 64, 512)
+            net = build_model(cfg, planner.planned_model(cfg), torch.device("cpu"), planner.distributed.ONE_PROCESS)
+            loader = planner.FakeLoader(4, 64, 512)
             if isinstance(tracker, MemoryTrace):
                 tracker.add(list(net.raw.parameters()) + list(net.raw.buffers()), "parameters")
             else:
@@ -100,7 +100,7 @@ def test_compiled_cpu_plan_is_near_the_allocators_peak():
 # ---- what a plan for CUDA corrects for
 
 
-def logits_sized(p: plan.Plan, rows: int, vocab: int) -> list[Life]:
+def logits_sized(p: planner.Plan, rows: int, vocab: int) -> list[Life]:
     return [life for life in p.trace.lives if life.nbytes and math.prod(life.shape) == rows * vocab]
 
 
@@ -130,9 +130,7 @@ def test_cuda_plan_adds_what_a_gpu_holds_and_a_cpu_plan_does_not():
     assert "fastpt.linear_cross_entropy.default (scratch)" in scratch
     assert not [life for life in cpu.trace.lives if life.phase == "scratch"]
     assert all(life.nbytes % 512 == 0 for life in gpu.trace.lives)
-    assert (
-        gpu.peak.parts["cuBLAS workspace"] == cuda_memory.CUBLAS_WORKSPACE and "cuBLAS workspace" not in cpu.peak.parts
-    )
+    assert gpu.peak.parts["cuBLAS workspace"] == gpus.CUBLAS_WORKSPACE and "cuBLAS workspace" not in cpu.peak.parts
     assert gpu.peak.reserved >= gpu.peak.bytes == sum(gpu.peak.parts.values()) + gpu.peak.blocks
     assert cpu.peak.reserved == 0 and cpu.peak.bytes == sum(cpu.peak.parts.values())
 
@@ -199,7 +197,7 @@ def test_lowering_inlines_and_overwrites_as_inductor_does():
     dies there (the first such input in graph order)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fastpt.compiled_memory import Lowering
+    from fastpt.plan.compiled import Lowering
 
     def step(x, w):
         e = (x * 2).exp()
@@ -241,9 +239,9 @@ def test_replay_frees_merge_neighbours():
 # ---- --micro-batch auto
 
 
-def card_between(low: plan.Plan, high: plan.Plan) -> str:
+def card_between(low: planner.Plan, high: planner.Plan) -> str:
     """A card size (GiB) that fits `low` and not `high`, with the fit margin."""
-    gib = (low.card_bytes + high.card_bytes) / 2 / (1 - plan.FIT_MARGIN) / 2**30
+    gib = (low.card_bytes + high.card_bytes) / 2 / (1 - planner.FIT_MARGIN) / 2**30
     return f"{gib:.6f}GiB"
 
 
@@ -254,9 +252,9 @@ def test_micro_batch_auto_picks_the_largest_that_fits():
     at8 = plan_of(*flags, "--micro-batch", "8", "--grad-accum", "2")
     at16 = plan_of(*flags, "--micro-batch", "16", "--grad-accum", "1")
     cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1"])
-    cfg, target = plan.planned_config(cli, config_file)
-    assert plan.config_sequences(cfg) == 16
-    chosen, why = plan.fit_micro_batch(cfg, target, 1, cuda_memory.card(card_between(at8, at16)))
+    cfg, target = planner.planned_config(cli, config_file)
+    assert planner.config_sequences(cfg) == 16
+    chosen, why = planner.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at8, at16)))
     assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (8, 2)
     assert chosen.peak.bytes == at8.peak.bytes
     assert "micro-batch auto: 8 x 2 accum = 16 sequences/step; the largest that fits a card of" in why
@@ -266,15 +264,15 @@ def test_micro_batch_auto_says_when_even_one_does_not_fit():
     with pytest.raises(
         ConfigError, match=r"even micro-batch 1 does not fit .* planned, peak .*activation-checkpointing full"
     ):
-        plan.main(parse_args([*SMALL[:4], "--micro-batch", "auto", "--plan", "--plan-gpu", "0.01"])[0], None)
+        planner.main(parse_args([*SMALL[:4], "--micro-batch", "auto", "--plan", "--plan-gpu", "0.01"])[0], None)
 
 
 def test_first_guess_keeps_tokens_or_goes_just_above():
     """1 GiB per sequence and a limit that holds 22: 64 sequences take 3 micro-steps (of 22)."""
     one = SimpleNamespace(card_bytes=2**30, cfg=SimpleNamespace(micro_batch=1))
     probe = SimpleNamespace(card_bytes=4 * 2**30, cfg=SimpleNamespace(micro_batch=4))
-    assert plan.guess_accum(one, probe, 64, 22.6 * 2**30) == 3
-    assert plan.guess_accum(one, probe, 16, 22.6 * 2**30) == 1
+    assert planner.guess_accum(one, probe, 64, 22.6 * 2**30) == 3
+    assert planner.guess_accum(one, probe, 16, 22.6 * 2**30) == 1
 
 
 # ---- the command line
@@ -283,7 +281,7 @@ def test_first_guess_keeps_tokens_or_goes_just_above():
 def test_plan_command_prints_writes_json_and_touches_nothing(tmp_path):
     """--plan trains nothing: exit 0, the parts printed, --plan-json written; no run folder, and
     without --data no default corpus prepared (the vocab is the preset's or the flags')."""
-    out, cache, js = tmp_path / "run", tmp_path / "cache", tmp_path / "plan.json"
+    out, cache, js = tmp_path / "run", tmp_path / "cache", tmp_path / "planner.json"
     proc = run_train(
         *SMALL,
         "--plan",
@@ -310,10 +308,10 @@ def test_plan_keys_in_toml(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('plan = true\nplan_gpu = "24GiB"\nmicro_batch = "auto"\nplan_world_size = 2\nparallel = "fsdp"\n')
     cli, config_file = parse_args(["--config", str(toml)])
-    assert plan.requested(cli, config_file)
-    cfg, target = plan.planned_config(cli, config_file)
+    assert planner.requested(cli, config_file)
+    cfg, target = planner.planned_config(cli, config_file)
     assert (cfg.micro_batch, cfg.plan_gpu, cfg.plan_world_size, target) == ("auto", "24GiB", 2, "cuda")
-    assert cuda_memory.card(cfg.plan_gpu).total == 24 * 2**30
+    assert gpus.card(cfg.plan_gpu).total == 24 * 2**30
 
 
 @pytest.mark.parametrize(
@@ -325,8 +323,8 @@ def test_plan_keys_in_toml(tmp_path):
         (("--plan-world-size", "0"), "'plan_world_size' must be > 0, got 0"),
         (("--micro-batch", "auto"), "needs a card to fit and this machine has no GPU: give --plan-gpu"),
         (
-            ("--plan-json", "/nonexistent/dir/plan.json", "--plan-gpu", "l4"),
-            "'plan_json' = '/nonexistent/dir/plan.json'",
+            ("--plan-json", "/nonexistent/dir/planner.json", "--plan-gpu", "l4"),
+            "'plan_json' = '/nonexistent/dir/planner.json'",
         ),
     ],
     ids=["card", "shape", "micro-batch", "world-size", "auto-without-card", "json-path"],

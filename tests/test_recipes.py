@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY, read_metrics, run_main, tiny_args, train_refuses
-from fastpt import train
+from fastpt import checkpoint, distributed, step, train
 from fastpt.config import FIELDS, PRESETS, TrainConfig, resolve, to_toml
 from fastpt.metrics import Dashboard
 from fastpt.model import Transformer
@@ -60,15 +60,15 @@ def test_help_lists_what_each_recipe_sets(capsys):
 def test_zero_init_starts_the_output_projections_at_zero_and_a_step_moves_them(tiny_data, tmp_path, capsys):
     cfg = TrainConfig(zero_init=True, seed=3)
     mcfg = dataclasses.replace(PRESETS["tiny"], vocab_size=97)
-    net = train.build_model(cfg, mcfg, torch.device("cpu"), train.distributed.ONE_PROCESS)
+    net = step.build_model(cfg, mcfg, torch.device("cpu"), distributed.ONE_PROCESS)
     projections = {n: p for n, p in net.raw.named_parameters() if n.endswith(("wo.weight", "w2.weight"))}
     assert len(projections) == 2 * mcfg.n_layers and all(not p.any() for p in projections.values())
     assert all(p.abs().sum() > 0 for n, p in net.raw.named_parameters() if n not in projections)
-    plain = train.build_model(TrainConfig(seed=3), mcfg, torch.device("cpu"), train.distributed.ONE_PROCESS)
+    plain = step.build_model(TrainConfig(seed=3), mcfg, torch.device("cpu"), distributed.ONE_PROCESS)
     assert all(p.any() for p in plain.raw.parameters())  # the GPT-2 init without the flag
     code, _, err = run_main(train.main, tiny_args(tiny_data, tmp_path, max_steps=2, zero_init=True), capsys)
     assert code == 0, err
-    trained, _ = Transformer.from_checkpoint(tmp_path / "ckpt_00000002.pt", torch.device("cpu"))
+    trained, _ = checkpoint.load_model(tmp_path / "ckpt_00000002.pt", torch.device("cpu"))
     assert all(p.any() for n, p in trained.named_parameters() if n in projections)
 
 

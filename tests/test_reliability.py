@@ -26,7 +26,7 @@ import torch
 
 from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train, tiny_args, train_refuses
 from fastpt import checkpoint, metrics
-from fastpt.shards import write_shard
+from fastpt.data.shards import write_shard
 
 FAULTY_TRAIN = r"""
 import os, resource, signal, sys, torch
@@ -657,7 +657,7 @@ def test_plot_into_a_folder_it_cannot_write_is_one_line(tmp_path, capsys):
 def test_a_damaged_or_fooled_token_id_cache_is_recomputed(tmp_path):
     """The cache beside a shard: cut off after its key, garbage, or keyed to bytes since rewritten
     (same size, mtime set back): each is recomputed, never trusted or fatal."""
-    from fastpt.data import max_token_id
+    from fastpt.data.dataset import max_token_id
 
     shard = write_shard(tmp_path / "train_000000.bin", np.arange(2000) % 250, 257)
     cache = tmp_path / ".train_000000.bin.maxid"

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from conftest import eager_and_compiled, read_metrics, run_train, tiny_args, train_refuses
 from fastpt import float8, train
 from fastpt.config import PRESETS
-from fastpt.data import Windows, find_shards
+from fastpt.data.dataset import Windows, find_shards
 from fastpt.distributed import Dist, parallelize
 from fastpt.evaluate import evaluate
 from fastpt.model import Transformer

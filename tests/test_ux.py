@@ -32,7 +32,7 @@ def run_dir(tiny_data, tmp_path_factory):
 
 
 def load_model(run_dir) -> Transformer:
-    return Transformer.from_checkpoint(checkpoint.latest(run_dir), torch.device("cpu"))[0]
+    return checkpoint.load_model(checkpoint.latest(run_dir), torch.device("cpu"))[0]
 
 
 def greedy_without_cache(model: Transformer, ids: list[int], n: int) -> list[int]:

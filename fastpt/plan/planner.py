@@ -1,8 +1,8 @@
 """Know before you rent: a run's GPU memory planned on any machine, by running its real step over
 fake tensors. `python -m fastpt.train --plan [the run's flags]`; `--micro-batch auto` uses the same.
 
-The config resolves as the run's would, then train.build_model builds the model, its compile and
-DDP / FSDP wrapping, its optimizers and precision under FakeTensorMode, and train.train_step runs
+The config resolves as the run's would, then step.build_model builds the model, its compile and
+DDP / FSDP wrapping, its optimizers and precision under FakeTensorMode, and step.train_step runs
 two optimizer steps of it (all micro-steps, clipping and the optimizer included) inside a
 memory.MemoryTrace. Shapes and dtypes are real, no byte is allocated, no data is read. Under FSDP
 a fake process group lets this one process play rank 0 of N.
@@ -10,13 +10,13 @@ a fake process group lets this one process play rank 0 of N.
 A fake CUDA device does not run on a CPU build of torch, so a plan for CUDA runs over fake CPU
 tensors with a GPU run's choices and corrects for what differs, explicitly:
 - the kernels: --kernels auto means Triton there (their registered fakes answer for them), and the
-  scratch that a kernel allocates inside (cuda_memory.scratch_table) is added while its op runs;
+  scratch that a kernel allocates inside (gpus.scratch_table) is added while its op runs;
 - attention: the CPU's flash kernel saves what CUDA's does (q, k, v, out, an fp32 logsumexp); the
   CUDA flash backward's accumulators are added as its scratch;
 - sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspace;
 - autocast: CPU and CUDA cast the ops of fastpt's forward alike (matmuls and attention to the
   autocast dtype on both; the norms and the loss upcast their inputs themselves), so nothing to do.
-Compiled runs: compiled_memory (Inductor's partitioner, its lowering's memory rules).
+Compiled runs: plan.compiled (Inductor's partitioner, its lowering's memory rules).
 """
 
 from __future__ import annotations
@@ -38,15 +38,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 
 from fastpt import distributed, kernels
-from fastpt.compiled_memory import compiling_for_plan, recompile_for_plan
 from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, check_runtime, load_toml, resolve
-from fastpt.cuda_memory import CUBLAS_WORKSPACE, CUDA_CONTEXT, GIB, Card, card, machine_card, scratch_table
-from fastpt.data import Batch, common_vocab, data_sources, default_vocab, doc_token
+from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
+from fastpt.data.loader import Batch
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_atomic
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
-from fastpt.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
+from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
+from fastpt.plan.gpus import CUBLAS_WORKSPACE, CUDA_CONTEXT, GIB, Card, card, machine_card, scratch_table
+from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
 from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
+from fastpt.step import build_model, train_step
 
 FIT_MARGIN = 0.05  # --micro-batch auto leaves this fraction of the card free
 
@@ -188,7 +190,6 @@ def trace_steps(mem: MemoryTrace, step: Callable[[], object], model: torch.nn.Mo
 def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
     """Two optimizer steps of the run over fake tensors, traced, each of at most two micro-steps: a
     third and later ones repeat the second's memory (the gradients exist, the last one syncs)."""
-    from fastpt.train import build_model, train_step
 
     t0 = time.perf_counter()
     mcfg = planned_model(cfg)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fastpt.memory import Life, MemoryTrace, active_trace
+from fastpt.plan.memory import Life, MemoryTrace, active_trace
 
 REALIZE_READS = 4  # realize_reads_threshold: read by several ops and itself reading more buffers than this
 REALIZE_ACC_READS = 8  # realize_acc_reads_threshold: reading more buffers than this

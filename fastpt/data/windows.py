@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastpt.data.shards import read_shard
 from fastpt.errors import DataError
-from fastpt.shards import read_shard
 
 BEST_FIT_BUFFER = 1000  # documents --packing bos chooses among for each window, as nanochat's
 MIX_BLOCK = 1000  # stream positions per mixture block: each block holds every source at its share

@@ -1,0 +1,142 @@
+"""One training step and what it runs on: the Net (the model, its compiled or parallel wrapper,
+optimizers and precision), build_model, train_step and the TrainState the loop carries. The loop
+(fastpt.train), the benchmark and the memory planner all run this step."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from fastpt import distributed, float8
+from fastpt.config import DTYPES, ModelConfig, TrainConfig
+from fastpt.data.loader import TrainLoader
+from fastpt.model import Transformer
+from fastpt.optim import optimizers_for, step_all
+
+
+@dataclass
+class Net:
+    raw: Transformer  # the module itself: checkpoints, parameter count, FLOPs
+    model: nn.Module  # what the loop calls: compiled, under DDP or FSDP
+    optimizers: list[torch.optim.Optimizer]
+    autocast: torch.autocast
+    scaler: torch.amp.GradScaler
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean cross-entropy over the step's micro-batches (and ranks), on device
+    z_loss: torch.Tensor  # mean z-loss term, trained on but not in `loss` (0 without --z-loss)
+    grad_norm: torch.Tensor  # global norm before clipping
+    finite: torch.Tensor  # loss and norm both finite (bool, on device)
+    applied: bool  # False only for an update skipped as non-finite
+
+
+def train_step(
+    net: Net, loader: TrainLoader, cfg: TrainConfig, d: distributed.Dist = distributed.ONE_PROCESS
+) -> StepResult:
+    """One optimizer step: grad_accum micro-batches, each loss / grad_accum so the accumulated
+    gradient averages like one large batch (DDP / FSDP sync only on the last), then unscale (fp16),
+    clip the global norm and step every optimizer. Nothing waits for the host, unless
+    --on-nonfinite skip asks whether to apply the update."""
+    model, scaler = net.model, net.scaler
+    for opt in net.optimizers:
+        opt.zero_grad(set_to_none=True)
+    sums = torch.zeros(2, device=loader.device)  # cross-entropy, z-loss
+    for micro_step in range(cfg.grad_accum):
+        batch = loader.next()
+        distributed.set_grad_sync(model, micro_step == cfg.grad_accum - 1)
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse their buffers; else a no-op
+        with net.autocast:
+            out = model(batch.x, labels=batch.y)  # loss: (), the fused loss never builds the logits
+        scaler.scale(out.loss / cfg.grad_accum).backward()
+        # logged apart: the loss stays the cross-entropy, comparable across runs
+        sums += torch.stack((out.cross_entropy, out.z_loss)) / cfg.grad_accum
+    loss, z_loss = distributed.all_reduce_mean(sums, d)  # every rank takes the same branches
+    for opt in net.optimizers:
+        scaler.unscale_(opt)
+    grad_norm = distributed.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+    # fp16's GradScaler skips overflowing steps itself; an inf norm there is routine.
+    finite = torch.isfinite(loss) & (torch.isfinite(grad_norm) | scaler.is_enabled())
+    applied = cfg.on_nonfinite != "skip" or bool(finite)  # one host sync per step, in skip mode only
+    if applied:
+        step_all(net.optimizers, scaler, grad_norm)
+    scaler.update()
+    return StepResult(loss, z_loss, grad_norm, finite, applied)
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from step to step; checkpoints hold it, so a resumed run's records
+    equal the uninterrupted run's, the log window straddling the checkpoint included."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    best_val_loss: float = math.inf
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    window_loss: float | torch.Tensor = 0.0  # sum of step losses since the last dashboard line
+    window_z_loss: float | torch.Tensor = 0.0  # ... and of their z-loss terms
+    window_steps: int = 0  # updates applied since the last dashboard line
+
+    def state_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self),
+            "window_loss": float(self.window_loss),
+            "window_z_loss": float(self.window_z_loss),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, state[f.name])
+
+    def to(self, device: torch.device) -> None:
+        """The window sums as tensors on the device: adding a step's loss never waits for it."""
+        self.window_loss, self.window_z_loss = (
+            torch.tensor(float(v), device=device) for v in (self.window_loss, self.window_z_loss)
+        )
+
+    def count(self, result: StepResult, tokens_per_step: int) -> None:
+        """Step `step + 1` is done: add its loss to the log window, or count it as skipped."""
+        self.step += 1
+        if result.applied:
+            self.consecutive_skips = 0
+            self.tokens_seen += tokens_per_step
+            self.window_loss += result.loss
+            self.window_z_loss += result.z_loss
+            self.window_steps += 1
+        else:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+
+    def new_window(self) -> None:
+        self.window_loss.zero_()
+        self.window_z_loss.zero_()
+        self.window_steps = 0
+
+
+def build_model(
+    cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, d: distributed.Dist, init_weights: dict | None = None
+) -> Net:
+    """The seeded model (--init-from's weights if given; --zero-init zeroes its output projections),
+    float8, compiled and parallelized in torchtitan's order, its optimizers and precision."""
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    raw = Transformer(mcfg, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing, cfg.zero_init)
+    if init_weights is not None:
+        raw.load_state_dict(init_weights)
+    if raw.output_weight.device != device:  # built in place already: fastpt.plan's fake model cannot be moved
+        raw.to(device)
+    if cfg.float8:  # before compiling and sharding
+        float8.convert(raw)
+    model = distributed.parallelize(raw, d, cfg.parallel, DTYPES[cfg.dtype], cfg.compile_mode if cfg.compile else None)
+    optimizers = optimizers_for(raw, cfg)  # AdamW, or AdamW + Muon
+    autocast = torch.autocast(device.type, dtype=DTYPES[cfg.dtype], enabled=cfg.dtype != "fp32")
+    return Net(raw, model, optimizers, autocast, torch.amp.GradScaler(device.type, enabled=cfg.dtype == "fp16"))
