@@ -323,11 +323,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"'compile_mode' = {cfg.compile_mode!r} uses CUDA graphs, which FSDP's per-step "
             "all-gathers defeat; use 'max-autotune-no-cudagraphs' or 'default'"
         )
-    if cfg.parallel == "fsdp" and cfg.optimizer == "muon":
-        raise ConfigError(
-            "'optimizer' = 'muon' does not run under 'parallel' = 'fsdp': Muon orthogonalizes each "
-            "whole weight matrix, and FSDP leaves every rank only a shard of it; use 'ddp'"
-        )
     if cfg.parallel == "fsdp" and cfg.dtype == "fp16":
         raise ConfigError(
             "'parallel' = 'fsdp' supports bf16 and fp32, not fp16: the fp16 GradScaler "

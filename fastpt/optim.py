@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from fastpt.config import TrainConfig, wsd_decay_steps
+from fastpt.muon import Muon
 from fastpt.presets import PRESETS
 
 # nanochat's AdamW LRs beside Muon, tuned at width 768 and scaled as (dim / 768) ** -0.5.
@@ -169,7 +170,7 @@ def muon_adamw_groups(model: nn.Module, cfg: TrainConfig, tied: bool) -> list[di
 
 def optimizers_for(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
     """The run's optimizers: [the seed's grouped AdamW], or (--optimizer muon) [AdamW for the
-    embedding, head and norms, torch.optim.Muon for the blocks' matrices]; the loop, GradScaler
+    embedding, head and norms, fastpt.muon.Muon for the blocks' matrices]; the loop, GradScaler
     and checkpoints take the list. Every group carries its "name" (a peak_lrs key) and its
     "peak_lr", which apply_schedule scales by the schedule at each step."""
     tied = getattr(model, "output", None) is None
@@ -180,9 +181,7 @@ def optimizers_for(model: nn.Module, cfg: TrainConfig) -> list[torch.optim.Optim
         optimizers = [adamw(groups, model, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)]
     else:
         matrices = [p for name, p in model.named_parameters() if p.requires_grad and is_muon_matrix(name, p)]
-        muon = torch.optim.Muon(
-            [{"params": matrices, "name": "muon", "decayed": True}], lr=cfg.muon_lr, momentum=cfg.muon_momentum
-        )
+        muon = Muon([{"params": matrices, "name": "muon", "decayed": True}], lr=cfg.muon_lr, momentum=cfg.muon_momentum)
         optimizers = [adamw(muon_adamw_groups(model, cfg, tied), model, lr=cfg.lr), muon]
     reapply_settings(optimizers, cfg, model.cfg.dim, tied)
     return optimizers

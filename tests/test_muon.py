@@ -1,8 +1,9 @@
-"""--optimizer muon: torch.optim.Muon for the blocks' matrices beside AdamW groups for the embedding,
+"""--optimizer muon: fastpt.muon.Muon for the blocks' matrices beside AdamW groups for the embedding,
 the head and the norms, each at its own peak LR (nanochat's, scaled with width), Muon's momentum
 warming up and its weight decay on the schedule; used by the loop, the GradScaler and checkpoints as
 one optimizer; it trains, resumes bit for bit after SIGKILL, takes the config's settings after a
-resume, follows one process under DDP, and is refused under FSDP in one line."""
+resume, and follows one process under DDP (under FSDP too: tests/test_distributed.py). Newton-Schulz
+batches same-shape matrices (fp32 on a CPU) and matches torch.optim.Muon's bf16 one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import TINY, read_metrics, run_main, run_train, train_refuses
 from fastpt import checkpoint, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.model import Transformer
+from fastpt.muon import Muon, newton_schulz
 from fastpt.optim import apply_schedule, is_muon_matrix, muon_momentum_at, optimizers_for, peak_lrs, step_all
 
 MUON = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02)
@@ -38,7 +40,7 @@ def groups_by_name(optimizers: list) -> dict[str, dict]:
 def test_muon_takes_the_blocks_matrices_and_adamw_keeps_the_rest_in_named_groups():
     model = small_model()
     adamw, muon = optimizers_for(model, MUON)
-    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, Muon)
     matrices = names(model, muon.param_groups[0]["params"])
     assert matrices == {n for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2}
     assert {n.split(".")[-2] for n in matrices} == {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
@@ -257,14 +259,46 @@ def test_resuming_with_another_optimizer_is_one_line(tiny_data, tmp_path, capsys
     )
 
 
-def test_muon_under_fsdp_is_refused_in_one_line(tmp_path, capsys):
-    train_refuses(
-        capsys,
-        [*TINY, "--out", str(tmp_path), "--optimizer", "muon", "--parallel", "fsdp"],
-        "'optimizer' = 'muon'",
-        "'fsdp'",
-        "shard",
-    )
+def test_newton_schulz_batches_same_shape_matrices_and_matches_torchs_muon():
+    """A batch orthogonalizes each matrix exactly as alone (so a rank's share gives the same bits as
+    the whole), in fp32 on a CPU, close to torch.optim.Muon's bf16 iteration; a tall matrix is done
+    through its transpose; the singular values land near 1 (the quintic's band, 0.5-1.5)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(4, 24, 40, generator=torch.Generator().manual_seed(0))
+    whole = newton_schulz(g)
+    assert whole.dtype == torch.float32 and torch.equal(whole, torch.cat([newton_schulz(m[None]) for m in g]))
+    torchs = torch.stack([_zeropower_via_newtonschulz(m, (3.4445, -4.7750, 2.0315), 5, 1e-7).float() for m in g])
+    torch.testing.assert_close(whole, torchs, atol=0.02, rtol=0.05)
+    assert torch.equal(newton_schulz(g.mT), whole.mT)
+    s = torch.linalg.svdvals(whole)
+    assert 0.5 < s.min() and s.max() < 1.5
+
+
+def test_muon_steps_as_torchs_muon_up_to_its_bf16_newton_schulz():
+    """The same momentum, scale and decoupled decay as torch.optim.Muon ("original" scaling): one
+    step from the same weights and gradient lands within bf16's rounding of torch's."""
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 48))]
+    theirs = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    ours = Muon(weights, lr=0.05, momentum=0.9, weight_decay=0.1)
+    ref = torch.optim.Muon(theirs, lr=0.05, momentum=0.9, weight_decay=0.1)
+    for _ in range(2):
+        for w, t in zip(weights, theirs):
+            w.grad = torch.randn_like(w)
+            t.grad = w.grad.clone()
+        ours.step()
+        ref.step()
+    for w, t in zip(weights, theirs):
+        torch.testing.assert_close(w, t, atol=2e-3, rtol=0)
+        assert torch.equal(ours.state[w]["momentum_buffer"], ref.state[t]["momentum_buffer"])
+
+
+def test_muon_under_fsdp_is_accepted(tmp_path):
+    from fastpt import config
+
+    cfg = config.resolve({"optimizer": "muon", "parallel": "fsdp", "out": str(tmp_path)}, None, "cpu")
+    assert (cfg.optimizer, cfg.parallel) == ("muon", "fsdp")
 
 
 @pytest.mark.slow
