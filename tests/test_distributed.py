@@ -1,5 +1,6 @@
 """torchrun with real processes (gloo on CPU): DDP and FSDP follow a one-process run step for step,
-checkpoints move between world sizes and layouts, and a rank that dies is named and restarted from."""
+checkpoints move between world sizes and layouts, Muon splits its matrices over the ranks bit for bit,
+and a rank that dies is named and restarted from."""
 
 from __future__ import annotations
 
@@ -118,6 +119,84 @@ def test_one_process_checkpoint_resumes_sharded_in_two(runs, tiny_data, tmp_path
     out = resume_from(runs["one"], "ckpt_00000003.pt", tmp_path / "resumed")
     train(tiny_data, out, 2, "--resume", "--parallel", "fsdp")
     assert_same_curve(out, runs["one"], from_step=3)
+
+
+# ---- Muon over ranks: whole matrices split between them, under DDP and FSDP2
+
+MUON_STEPS = r"""
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
+from fastpt.muon import Muon
+layout, out = sys.argv[1], sys.argv[2]
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+if layout == "fsdp":
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+place = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if layout == "fsdp" else (lambda t: t)
+torch.manual_seed(0)  # three (48, 16): one rank orthogonalizes two of them, the other one; 33 rows shard unevenly
+shapes = [(48, 16), (16, 48), (48, 16), (33, 20), (48, 16)]
+params = [torch.nn.Parameter(place(torch.randn(*s))) for s in shapes]
+opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+g = torch.Generator().manual_seed(1)
+for _ in range(3):
+    for p in params:
+        p.grad = place(torch.randn(p.shape, generator=g))
+    opt.step()
+whole = lambda t: t.full_tensor() if layout == "fsdp" else t.detach()
+state = [whole(opt.state[p]["momentum_buffer"]) for p in params]
+torch.save(([whole(p) for p in params], state), f"{out}.{dist.get_rank() if dist.is_initialized() else 0}")
+"""
+
+
+def test_muon_steps_bit_identically_over_two_ranks_under_ddp_and_fsdp(tmp_path):
+    """The same gradients give every rank, under either layout, exactly the one process's weights and
+    momentum: the split by whole matrices changes who computes, not what."""
+    script = tmp_path / "muon_steps.py"
+    script.write_text(MUON_STEPS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    for cmd, layout in (([sys.executable], "one"), (torchrun, "ddp"), (torchrun, "fsdp")):
+        proc = subprocess.run(
+            [*cmd, str(script), layout, str(tmp_path / layout)], capture_output=True, text=True, env=env, cwd=REPO
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    import torch
+
+    want = torch.load(tmp_path / "one.0")
+    for name in ("ddp.0", "ddp.1", "fsdp.0", "fsdp.1"):
+        got = torch.load(tmp_path / name)
+        assert all(torch.equal(a, b) for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True)), name
+    assert not torch.equal(want[0][0], torch.load(tmp_path / "ddp.0")[0][2])  # the matrices do differ
+
+
+MUON_RUN = ("--optimizer", "muon", "--muon-momentum-warmup", "2", "--schedule", "wsd")
+
+
+@pytest.fixture(scope="module")
+def muon_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """The same 6 Muon steps in one process, under DDP and under FSDP (2 processes each)."""
+    root = tmp_path_factory.mktemp("muon")
+    return {
+        "one": train(tiny_data, root / "one", 0, *MUON_RUN),
+        "ddp": train(tiny_data, root / "ddp", 2, *MUON_RUN),
+        "fsdp": train(tiny_data, root / "fsdp", 2, *MUON_RUN, "--parallel", "fsdp"),
+    }
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_muon_over_two_processes_follows_one_process(muon_runs, layout):
+    assert_same_curve(muon_runs[layout], muon_runs["one"])
+
+
+def test_muon_resumes_across_layouts(muon_runs, tiny_data, tmp_path):
+    """An FSDP checkpoint (DCP shards of the momentum) resumes in one process, a one-process one under
+    FSDP, and both go on as the uninterrupted run."""
+    one = train(tiny_data, resume_from(muon_runs["fsdp"], "ckpt_00000003", tmp_path / "one"), 0, *MUON_RUN, "--resume")
+    assert_same_curve(one, muon_runs["one"], from_step=3)
+    sharded = resume_from(muon_runs["one"], "ckpt_00000003.pt", tmp_path / "sharded")
+    train(tiny_data, sharded, 2, *MUON_RUN, "--resume", "--parallel", "fsdp")
+    assert_same_curve(sharded, muon_runs["one"], from_step=3)
 
 
 # ---- a rank that dies under torchrun
