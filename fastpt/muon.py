@@ -17,13 +17,17 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 
 
+def ns_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
     """A batch (k, m, n) of matrices, each orthogonalized (its singular values pushed to ~1) by
     `steps` quintic Newton-Schulz iterations, batched as modded-nanogpt does. bf16 on CUDA (its
     tensor cores; the published numerics), fp32 elsewhere: a CPU without bf16 units runs bf16
     matmuls several times slower than fp32 ones."""
     a, b, c = NS_COEFFICIENTS
-    x = g.to(torch.bfloat16 if g.device.type == "cuda" else torch.float32)
+    x = g.to(ns_dtype(g.device))
     tall = x.size(-2) > x.size(-1)
     if tall:  # the Gram matrix of the short side is the smaller one
         x = x.mT
@@ -61,9 +65,17 @@ def orthogonalize(updates: list[torch.Tensor]) -> list[torch.Tensor]:
     for shape, idx in by_shape.items():
         share = -(-len(idx) // world)
         mine = range(rank * share, min(len(idx), (rank + 1) * share))
-        gathered = [whole(updates[i]) for i in idx]  # every rank takes part in every gather
-        local = [gathered[j] for j in mine]
-        done = newton_schulz(torch.stack(local)) if local else gathered[0].new_empty((0, *shape))
+        local = []
+        for j, i in enumerate(idx):
+            full = whole(updates[i])  # every rank takes part in every gather, and keeps its share only
+            if j in mine:
+                local.append(full)
+        device = updates[idx[0]].device
+        done = (
+            newton_schulz(torch.stack(local))
+            if local
+            else torch.empty((0, *shape), dtype=ns_dtype(device), device=device)
+        )
         if world > 1:
             padded = torch.zeros((share, *done.shape[1:]), dtype=done.dtype, device=done.device)
             padded[: len(done)] = done
