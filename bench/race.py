@@ -98,21 +98,18 @@ def check_args(args: argparse.Namespace) -> None:
     budgets = numbers("--budgets", args.budgets, high=1.0)
     if budgets != sorted(set(budgets)) or budgets[-1] != 1.0:
         raise UsageError(f"--budgets {args.budgets!r}: fractions of the budget, ascending, ending at 1 (the full one)")
-    for flag, value, low in (
-        ("--seeds", args.seeds, 1),
-        ("--widen", args.widen, 0),
-        ("--speed-rounds", args.speed_rounds, 0),
-    ):
-        if value < low:
+    least = {
+        "--seeds": 1,
+        "--widen": 0,
+        "--speed-rounds": 0,
+        "--speed-steps": 1,
+        "--eval-tokens": 1,
+        "--threads": 1,
+        "--vocab-size": 1,
+    }
+    for flag, low in least.items():
+        if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
             raise UsageError(f"{flag} {value}: must be at least {low}")
-    for flag, value in (
-        ("--speed-steps", args.speed_steps),
-        ("--eval-tokens", args.eval_tokens),
-        ("--threads", args.threads),
-        ("--vocab-size", args.vocab_size),
-    ):
-        if value < 1:
-            raise UsageError(f"{flag} {value}: must be at least 1")
     for flag, value in (
         ("--warmup-fraction", args.warmup_fraction),
         ("--momentum-warmup-fraction", args.momentum_warmup_fraction),
