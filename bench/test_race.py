@@ -40,6 +40,7 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
         (["--tokens-per-param", "nan"], "--tokens-per-param nan"),
         (["--tokens-per-param", "x"], "argument --tokens-per-param: invalid float value: 'x'"),
         (["--multipliers", "1,abc"], "--multipliers '1,abc': not a comma-separated list of numbers"),
+        (["--corpora", "default", "--multipliers", "1,abc"], "--multipliers '1,abc': not a comma-separated"),
         (["--multipliers", "0,1"], "--multipliers '0,1': every value must be > 0"),
         (["--budgets", "0.25,0.5"], "--budgets '0.25,0.5': fractions of the budget, ascending, ending at 1"),
         (["--budgets", "0.5,0.25,1"], "--budgets '0.5,0.25,1': fractions"),
