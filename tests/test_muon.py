@@ -275,6 +275,19 @@ def test_newton_schulz_batches_same_shape_matrices_and_matches_torchs_muon():
     assert 0.5 < s.min() and s.max() < 1.5
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_newton_schulz_keeps_bf16_on_cuda_as_torchs_muon():
+    """On CUDA the iteration stays the published one, bf16: batched, within bf16's rounding of torch's."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(4, 256, 704, generator=torch.Generator().manual_seed(0)).cuda()
+    ours = newton_schulz(g)
+    assert ours.dtype == torch.bfloat16
+    torchs = torch.stack([_zeropower_via_newtonschulz(m, (3.4445, -4.7750, 2.0315), 5, 1e-7) for m in g])
+    torch.testing.assert_close(ours.float(), torchs.float(), atol=0.02, rtol=0.05)
+
+
 def test_muon_steps_as_torchs_muon_up_to_its_bf16_newton_schulz():
     """The same momentum, scale and decoupled decay as torch.optim.Muon ("original" scaling): one
     step from the same weights and gradient lands within bf16's rounding of torch's."""
