@@ -355,21 +355,40 @@ def hf_tokenizer(tokenizer_json: Path):
     return None if kind else Tokenizer.from_str(text)
 
 
+def add_bos(tok, bos: str, bos_id: int) -> None:
+    """Make `tok` put `bos` before every text it encodes with special tokens (transformers' default),
+    as Llama's tokenizer.json does: a TemplateProcessing post-processor (after a ByteLevel one, which
+    only trims offsets; any other, which would add its own tokens, is replaced)."""
+    from tokenizers import processors
+
+    template = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+    )
+    kept = tok.post_processor if isinstance(tok.post_processor, processors.ByteLevel) else None
+    tok.post_processor = processors.Sequence([kept, template]) if kept else template
+
+
 def save_tokenizer(tok, doc_id: int | None, out: Path, max_seq_len: int) -> tuple[int | None, int | None]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json that AutoTokenizer loads and
-    that encode text as fastpt does. Returns the (BOS, EOS) ids: BOS is `doc_id`, the token fastpt
-    starts every document with; EOS the tokenizer's end-of-text token, else the same one."""
-    tok.save(str(out / "tokenizer.json"))
+    that encode text as fastpt trained on it: behind the document token, when there is one (as BOS,
+    added by `tok(text)`, dropped by decode's skip_special_tokens). Returns the (BOS, EOS) ids: BOS
+    is `doc_id`; EOS the tokenizer's end-of-text token, else the same one."""
     bos = tok.id_to_token(doc_id) if doc_id is not None else None
+    if bos is not None:
+        add_bos(tok, bos, doc_id)
+    tok.save(str(out / "tokenizer.json"))
     eos = next((t for t in END_TOKENS if tok.token_to_id(t) is not None), bos)
     special = {name: t for name, t in (("bos_token", bos), ("eos_token", eos)) if t is not None}
     write_json(out / "special_tokens_map.json", special)
     # clean_up_tokenization_spaces would rewrite " ." to "." on decode: text must come back as it went in.
+    # add_bos_token / add_eos_token say what the post-processor does, for readers of this file alone.
     write_json(
         out / "tokenizer_config.json",
         {
             "tokenizer_class": "PreTrainedTokenizerFast",
             **special,
+            "add_bos_token": bos is not None,
+            "add_eos_token": False,
             "model_max_length": max_seq_len,
             "clean_up_tokenization_spaces": False,
         },

@@ -126,23 +126,61 @@ def test_export_of_an_fsdp_checkpoint_directory(bpe_data, tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").is_file()  # found in the run folder above the shards
 
 
-def test_auto_tokenizer_encodes_like_fastpt(run_dir, exported):
+def test_auto_tokenizer_encodes_like_fastpt_behind_the_document_token(run_dir, exported):
     ours = load_tokenizer(run_dir / "tokenizer.json")
     theirs = AutoTokenizer.from_pretrained(exported)
     texts = [TEXT, "import os\nprint(os.getcwd())\n"]
     ids = ours.encode_batch(texts)
-    assert theirs(texts)["input_ids"] == ids  # no BOS added: fastpt's ids exactly
+    assert theirs(texts)["input_ids"] == [[ours.eot_id, *i] for i in ids]  # as fastpt trained: BOS first
+    assert theirs(texts, add_special_tokens=False)["input_ids"] == ids
     assert theirs.eos_token_id == theirs.bos_token_id == ours.eot_id
-    assert theirs.decode(ids[0]) == ours.decode(ids[0]) == TEXT
+    assert theirs.decode(theirs(TEXT)["input_ids"], skip_special_tokens=True) == ours.decode(ids[0]) == TEXT
+    assert load_tokenizer(exported).encode_batch(texts) == ids  # fastpt reads the export's file as its own
 
 
 def test_a_bytes_tokenizer_exports_as_a_byte_level_bpe(tmp_path):
     ByteTokenizer().save(tmp_path / "bytes.json")
     assert hf.save_tokenizer(hf.hf_tokenizer(tmp_path / "bytes.json"), 256, tmp_path, 64) == (256, 256)
     theirs = AutoTokenizer.from_pretrained(tmp_path)
-    assert theirs(TEXT)["input_ids"] == ByteTokenizer().encode_batch([TEXT])[0] == list(TEXT.encode())
+    assert theirs(TEXT)["input_ids"] == [256, *ByteTokenizer().encode_batch([TEXT])[0]] == [256, *TEXT.encode()]
     assert theirs.eos_token_id == 256 and theirs.decode(list(TEXT.encode())) == TEXT
     assert load_tokenizer(tmp_path / "tokenizer.json").encode_batch([TEXT])[0] == list(TEXT.encode())
+
+
+def test_a_tokenizer_without_a_document_token_exports_adding_no_bos(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    tok.save(str(tmp_path / "plain.json"))
+    ours = load_tokenizer(tmp_path / "plain.json")
+    assert ours.eot_id is None  # trained without a document token: nothing to put before a text
+    assert hf.save_tokenizer(hf.hf_tokenizer(tmp_path / "plain.json"), None, tmp_path, 64) == (None, None)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    assert theirs(TEXT)["input_ids"] == ours.encode_batch([TEXT])[0] and theirs.bos_token is None
+    assert theirs.decode(theirs(TEXT)["input_ids"]) == TEXT
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["add_bos_token"] is False
+
+
+def fastpt_greedy(ckpt, prompt: str, new_tokens: int) -> list[int]:
+    """fastpt.sample's greedy ids for `prompt`, the document token first."""
+    model, _ = checkpoint.load_model(checkpoint.find(ckpt), torch.device("cpu"))
+    tok = load_tokenizer(ckpt / "tokenizer.json")
+    ids = [tok.eot_id, *tok.encode_batch([prompt])[0]]
+    return sample.generate(model.eval(), ids, new_tokens, temperature=0, vocab=tok.vocab_size)
+
+
+def test_transformers_default_greedy_generate_on_the_export_is_fastpts_greedy(run_dir, exported):
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    tok = AutoTokenizer.from_pretrained(exported)
+    for prompt in ("def ", "import os\n"):
+        inputs = tok(prompt, return_tensors="pt")  # as a user writes it: the tokenizer adds the BOS
+        theirs = model.generate(**inputs, do_sample=False, max_new_tokens=20)[0].tolist()
+        ours = fastpt_greedy(run_dir, prompt, 20)
+        # generate stops at the EOS, which for fastpt's tokenizers is the document token too
+        assert theirs == ours[: len(theirs)] and (len(theirs) == len(ours) or theirs[-1] == tok.eos_token_id)
 
 
 def test_a_tokenizer_without_a_hugging_face_twin_exports_the_weights_alone(run_dir, tmp_path, capsys):
@@ -412,3 +450,56 @@ def test_init_from_an_export_of_a_default_run_reuses_the_cached_default_corpus(t
     other = tmp_path / "other.json"  # a tokenizer that differs by one byte is another corpus
     other.write_bytes((corpus / "tokenizer.json").read_bytes() + b" ")
     assert prepare.default_corpus(512, other) != corpus
+
+
+MC_ROWS = [  # contexts and endings in the stdlib's own idiom, which the tiny run read
+    ("def __init__(self", [", name):", ", *args, **kwargs):", "):"]),
+    ("import", ["os", "sys", "re"]),
+    ("return", ["None", "self", "True"]),
+    ("for i in", ["range(n):", "items:", "self:"]),
+    ("if not", ["self.", "isinstance(x, str):", "None:"]),
+    ("raise", ["ValueError(", "TypeError(msg)", "KeyError"]),
+    ("class", ["A:", "Error(Exception):", "object"]),
+    ("self.", ["name = name", "_lock", "x"]),
+    ("lambda", ["x: x", "self: self", "*args: None"]),
+    ("except", ["Exception:", "KeyError:", "(OSError, ValueError) as e:"]),
+]
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_an_export_as_fastpts_mc_acc(run_dir, exported, bpe_data, tmp_path):
+    """lm-eval's HFLM on the export, on a task defined here from a local JSONL (no download), gives
+    the accuracies --eval-mc gives on the same rows: acc is --eval-mc-norm none, acc_norm char."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from fastpt import distributed
+    from fastpt.multiple_choice import MultipleChoice, read_tasks
+
+    rows = [{"ctx": ctx + " ", "endings": endings, "label": i % 3} for i, (ctx, endings) in enumerate(MC_ROWS)]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "fastpt_mc.yaml").write_text(
+        "task: fastpt_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'mc.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{ctx | trim}}"\ndoc_to_choice: "{{endings}}"\ndoc_to_target: "{{label}}"\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    lm = HFLM(pretrained=str(exported), device="cpu", batch_size=8)
+    evaluated = lm_eval.simple_evaluate(
+        model=lm, tasks=["fastpt_mc"], task_manager=TaskManager(include_path=str(tmp_path / "tasks")), log_samples=True
+    )
+    results, samples = evaluated["results"]["fastpt_mc"], evaluated["samples"]["fastpt_mc"]
+    model, _ = checkpoint.load_model(checkpoint.find(run_dir), torch.device("cpu"))
+    cpu, no_autocast = torch.device("cpu"), torch.autocast("cpu", enabled=False)
+    for metric, norm in (("acc", "none"), ("acc_norm", "char")):
+        mc = MultipleChoice(read_tasks(str(tmp_path / "mc.jsonl")), bpe_data, 32, 4, norm)
+        ours = mc.accuracy(model, cpu, no_autocast, distributed.Dist())["mc_acc"]
+        assert results[f"{metric},none"] == pytest.approx(ours, abs=1e-9), (metric, results, ours)
+    # The same log-likelihood of every ending: each read behind the document token, as it was trained.
+    choices = [c for row in mc.tasks[0] for c in row]
+    nats = mc._nats(choices, -(-len(choices) // mc.micro_batch), model, cpu, no_autocast)
+    theirs = [float(ll) for s in sorted(samples, key=lambda s: s["doc_id"]) for ll, _ in s["filtered_resps"]]
+    assert theirs == pytest.approx([-n for n in nats], abs=1e-4)
