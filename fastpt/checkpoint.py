@@ -465,12 +465,17 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
 
     def same_model(path: Path, saved: dict) -> None:
         saved_config.update(saved.get("train_config", {}))
+        recipe = saved_config.get("recipe", "seed")  # when the recipe differs, it is what to repeat
+        again = f"--recipe {recipe} (this run says --recipe {cfg.recipe})" if recipe != cfg.recipe else ""
         if diff := model_mismatch(saved["model_config"], ckpt.meta["model_config"]):
             raise ConfigError(
-                f"{path} was written for another model ({diff}); resume with the same preset, shape keys and data"
+                f"{path} was written for another model ({diff}); "
+                f"resume with {again or 'the same preset, shape keys and data'}"
             )
-        if (optimizer := saved.get("train_config", {}).get("optimizer", "adamw")) != cfg.optimizer:
-            raise ConfigError(f"{path} was written with --optimizer {optimizer}: resume with the same optimizer")
+        if (optimizer := saved_config.get("optimizer", "adamw")) != cfg.optimizer:
+            raise ConfigError(
+                f"{path} was written with --optimizer {optimizer}: resume with {again or 'the same optimizer'}"
+            )
 
     run_dir = ckpt.run_dir
     ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
@@ -480,8 +485,6 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
         reapply_settings(optimizers, cfg, ckpt.meta["model_config"]["dim"], ckpt.meta["model_config"]["tie_embeddings"])
         if changed := changed_settings(saved_config, cfg):
             log(f"resume: {changed} (the config's values apply)")
-        if state.step >= cfg.max_steps:
-            log(f"nothing to do: the run is already at step {state.step} of max_steps {cfg.max_steps}")
     elif cfg.resume:
         log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
     elif path := latest(run_dir):  # a fresh run would mix its checkpoints with the old ones

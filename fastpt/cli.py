@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
-from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, suggest
-from fastpt.errors import ArgumentParser, ConfigError
+from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, load_toml, recipe_values
+from fastpt.errors import ArgumentParser, ConfigError, suggest
 from fastpt.presets import describe_presets
+
+# A run's config.toml keys that say where and how it ran this time, never what it is.
+NOT_RESUMED = ("out", "resume", "device", "plan", "plan_json")
 
 
 def int_or_auto(text: str) -> int | str:
@@ -54,3 +59,20 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
         raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
     args = vars(args)
     return args, args.pop("config", None)
+
+
+def resumed_run(cli: dict[str, Any], config_file: str | None, device: str) -> dict[str, Any]:
+    """With --resume and an --out that holds a run's config.toml: its values, the base that --config
+    and flags change (config.resolve's `run`); else {}. Under another --recipe than the run's, the
+    keys either recipe sets are left to the new one (a changed shape is then refused, naming it)."""
+    given = {**(load_toml(config_file) if config_file else {}), **cli}
+    out = given.get("out") or (CPU_PROFILE["out"] if device == "cpu" else FIELDS["out"].default)
+    path = Path(out) / "config.toml"
+    if not given.get("resume") or not path.is_file():
+        return {}
+    run = load_toml(str(path))
+    recipe = given.get("recipe", run.get("recipe", "seed"))
+    if recipe != run.get("recipe", "seed"):
+        for key in {*recipe_values(run.get("recipe", "seed")), *recipe_values(recipe)}:
+            run.pop(key, None)
+    return {k: v for k, v in run.items() if k not in NOT_RESUMED}

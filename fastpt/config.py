@@ -9,7 +9,6 @@ ModelConfig < the shape keys given.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import sys
 import typing
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from fastpt import float8, kernels
-from fastpt.errors import ConfigError
+from fastpt.errors import ConfigError, suggest
 from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, shape_keys
 from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names
 from fastpt.recipes import RECIPES, describe
@@ -261,11 +260,6 @@ FIELD_TYPES: dict[str, type] = {  # "int | None" -> int
 }
 
 
-def suggest(key: str, valid) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
 def coerce(key: str, value: Any, source: str) -> Any:
     """Check one key/value pair against TrainConfig and return it with the field's type."""
     if key not in FIELD_TYPES:
@@ -301,7 +295,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name, f in FIELDS.items():
         value, choices, domain = getattr(cfg, name), f.metadata["choices"], f.metadata["domain"]
         if choices and value not in choices:
-            raise ConfigError(f"'{name}' = {value!r} is not one of {', '.join(map(repr, choices))}")
+            raise ConfigError(
+                f"'{name}' = {value!r} is not one of {', '.join(map(repr, choices))}{suggest(value, choices)}"
+            )
         if domain and value != AUTO and value not in domain:
             finite = "" if math.isfinite(value) else " (a finite number)"
             raise ConfigError(f"'{name}' must be {domain}{finite}, got {value!r}")
@@ -378,11 +374,11 @@ def check_runtime(cfg: TrainConfig) -> None:
         float8.check(torch.device(cfg.device))
 
 
-def resolve(cli: dict[str, Any], config_file: str | None, device: str) -> TrainConfig:
-    """Merge defaults, the preset's batch, the CPU profile, the TOML file and the CLI (later wins),
-    then validate."""
+def resolve(cli: dict[str, Any], config_file: str | None, device: str, run: dict | None = None) -> TrainConfig:
+    """Merge defaults, the preset's batch, the CPU profile, the recipe, a resumed `run`'s config.toml
+    (cli.resumed_run), the TOML file and the CLI (later wins), then validate."""
     file_values = load_toml(config_file) if config_file else {}
-    given = {**file_values, **{k: coerce(k, v, "command line") for k, v in cli.items()}}
+    given = {**(run or {}), **file_values, **{k: coerce(k, v, "command line") for k, v in cli.items()}}
     merged: dict[str, Any] = dict(CPU_PROFILE) if device == "cpu" else {}
     merged.update(recipe_values(given.get("recipe", FIELDS["recipe"].default)))
     merged.update(given)

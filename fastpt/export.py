@@ -107,9 +107,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def describe_export(out: Path) -> str:
+    """What the folder holds, for the line export prints: the architecture transformers loads, the
+    files, and the BOS its tokenizer puts before a text."""
+    config = hf.read_json(out / "config.json")
+    tokenizer = hf.read_json(out / "tokenizer_config.json") if (out / "tokenizer_config.json").is_file() else {}
+    bos = f"; its tokenizer starts every text with {tokenizer['bos_token']}" if tokenizer.get("add_bos_token") else ""
+    names = ", ".join(sorted(p.name for p in out.iterdir()))
+    return f"{config['architectures'][0]} ({config['torch_dtype']}): {names}{bos}"
+
+
 def run(args: argparse.Namespace) -> None:
     ckpt_path = export(args.source, args.out, args.dtype, args.max_shard_size, args.tokenizer or None, args.overwrite)
-    print(f"exported {ckpt_path} to {args.out} ({args.dtype})")
+    print(f"exported {ckpt_path} to {args.out}: {describe_export(Path(args.out))}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from fastpt import checkpoint, distributed
 from fastpt.checkpoint import build_checkpointer, save_checkpoint, start_or_resume
-from fastpt.cli import parse_args
+from fastpt.cli import parse_args, resumed_run
 from fastpt.config import TrainConfig, check_runtime, pick_device, resolve
 from fastpt.data.dataset import build_data, packing_warning
 from fastpt.distributed import Preemption
@@ -78,6 +78,8 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
             log(line)
         if warning := packing_warning(data.train, dash.tokens_per_step // seq_len, cfg.max_steps):
             log(warning, file=sys.stderr)
+        if state.step >= cfg.max_steps:  # a resume of a finished run: said after what the run is
+            log(f"nothing to do: the run is already at step {state.step} of max_steps {cfg.max_steps}")
         probe = cleanup.enter_context(closing(StepProbe(cfg, device, d.rank)))
         pace, exit_code = Pace(), 0
         first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     cli, config_file = parse_args(argv)
     if planner.requested(cli, config_file):
         return planner.main(cli, config_file)
-    cfg = resolve(cli, config_file, pick_device(cli))
+    device = pick_device(cli)
+    cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
     cfg, chosen = planner.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
     d = distributed.setup(cfg.device)

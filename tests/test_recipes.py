@@ -5,12 +5,15 @@ recipe choice that differs from the seed's, and the dashboard shows each optimiz
 from __future__ import annotations
 
 import dataclasses
+import io
+import shutil
+import sys
 
 import pytest
 import torch
 
 from conftest import TINY, read_metrics, run_main, tiny_args, train_refuses
-from fastpt import checkpoint, distributed, step, train
+from fastpt import checkpoint, distributed, export, step, train
 from fastpt.config import FIELDS, PRESETS, TrainConfig, resolve, to_toml
 from fastpt.metrics import Dashboard
 from fastpt.model import Transformer
@@ -111,3 +114,48 @@ def test_a_dashboard_line_without_other_groups_shows_one_lr():
     assert "| LR: 5.00e-04 muon 2.00e-02 | Norm" in dash.line({**record, "mfu": None, "lr/muon": 0.02}, None)
     model = Transformer(dataclasses.replace(PRESETS["tiny"], vocab_size=97))
     assert {g["name"] for o in optimizers_for(model, TrainConfig()) for g in o.param_groups} == {"lr"}
+
+
+@pytest.fixture(scope="module")
+def modern_run(tiny_data, tmp_path_factory):
+    """3 steps of --recipe modern (QK-norm) with a muon_lr of its own."""
+    run = tmp_path_factory.mktemp("modern") / "run"
+    args = tiny_args(tiny_data, run, "--recipe", "modern", max_steps=3, warmup_steps=1, muon_lr=0.01)
+    with pytest.MonkeyPatch.context() as m:  # run_main's capsys is per test: catch the output here
+        m.setattr(sys, "stdout", io.StringIO())
+        assert train.main(args) == 0
+    return run
+
+
+def test_the_export_of_a_modern_run_says_it_is_a_qwen3_and_what_it_wrote(modern_run, tmp_path, capsys):
+    code, out, err = run_main(export.main, [str(modern_run), "--out", str(tmp_path / "hf")], capsys)
+    assert code == 0, err
+    assert out == (
+        f"exported {modern_run / 'ckpt_00000003.pt'} to {tmp_path / 'hf'}: Qwen3ForCausalLM (float32): config.json, "
+        "generation_config.json, model.safetensors, special_tokens_map.json, tokenizer.json, tokenizer_config.json; "
+        "its tokenizer starts every text with <|endoftext|>\n"
+    )
+
+
+@pytest.mark.slow  # four more trainings
+def test_resume_takes_the_runs_config_as_its_base_below_config_and_flags(modern_run, tiny_data, tmp_path, capsys):
+    run = tmp_path / "modern"
+    shutil.copytree(modern_run, run)
+    again = ["--device", "cpu", "--data", str(tiny_data), "--out", str(run), "--resume"]
+    # No --recipe, preset, seq-len, batch or muon-lr: the run's config.toml gives them.
+    code, out, err = run_main(train.main, [*again, "--max-steps", "4"], capsys)
+    assert code == 0 and "resumed from" in out and "resume: " not in out, err
+    (tmp_path / "more.toml").write_text("max_steps = 5\nmuon_lr = 0.03\n")
+    code, out, err = run_main(
+        train.main, [*again, "--config", str(tmp_path / "more.toml"), "--muon-lr", "0.02"], capsys
+    )
+    assert code == 0 and "resume: muon_lr 0.01 -> 0.02 (the config's values apply)" in out, err  # the flag wins
+    written = (run / "config.toml").read_text()
+    assert 'recipe = "modern"' in written and "max_steps = 5\n" in written and 'preset = "tiny"' in written
+    code, out, err = run_main(train.main, again, capsys)
+    assert code == 0 and out.index("nothing to do: the run is already at step 5") > out.index("\nrecipe modern"), out
+    train_refuses(
+        capsys,
+        [*again, "--recipe", "seed"],
+        "written for another model (qk_norm True != False); resume with --recipe modern (this run says --recipe seed)",
+    )
