@@ -8,6 +8,7 @@ fault. Only a command's `main` turns them into one `fastpt: error: ...` line and
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Callable
@@ -44,6 +45,53 @@ class DiskError(FastptError):
 
 class MissingPackage(FastptError, ImportError):
     """An optional package that a requested feature needs; the message says what to install."""
+
+
+# What other trainers (Hugging Face's Trainer, nanoGPT, Megatron, torchtitan) call a fastpt key or
+# value: difflib alone finds no 'lr' in 'learning_rate'.
+ALIASES = {
+    **dict.fromkeys(("learning_rate", "max_lr", "peak_lr"), "lr"),
+    **dict.fromkeys(("batch_size", "micro_batch_size", "per_device_train_batch_size"), "micro_batch"),
+    **dict.fromkeys(("gradient_accumulation_steps", "grad_accum_steps", "accumulate_grad_batches"), "grad_accum"),
+    **dict.fromkeys(("max_iters", "train_iters", "max_train_steps", "num_steps", "total_steps", "steps"), "max_steps"),
+    **dict.fromkeys(("warmup_iters", "warmup", "lr_warmup_steps", "num_warmup_steps"), "warmup_steps"),
+    **dict.fromkeys(("wd", "weight_decay_rate", "adam_weight_decay", "decay"), "weight_decay"),
+    **dict.fromkeys(("grad_clip", "clip_grad", "gradient_clipping", "clip_grad_norm", "max_norm"), "max_grad_norm"),
+    **dict.fromkeys(("block_size", "context_length", "seq_length", "max_seq_length", "sequence_length"), "seq_len"),
+    **dict.fromkeys(("n_layer", "num_layers", "num_hidden_layers", "depth"), "n_layers"),
+    **dict.fromkeys(("n_head", "num_heads", "num_attention_heads"), "n_heads"),
+    **dict.fromkeys(("n_embd", "hidden_size", "d_model", "model_dim", "width"), "dim"),
+    **dict.fromkeys(("intermediate_size", "ffn_hidden_size", "d_ff", "hidden_dim"), "ffn_dim"),
+    **dict.fromkeys(("adam_beta1", "beta_1"), "beta1"),
+    **dict.fromkeys(("adam_beta2", "beta_2"), "beta2"),
+    **dict.fromkeys(("adam_epsilon", "adam_eps", "epsilon"), "eps"),
+    **dict.fromkeys(("eval_interval", "eval_steps", "val_every"), "eval_every"),
+    **dict.fromkeys(("log_interval", "logging_steps"), "log_every"),
+    **dict.fromkeys(("save_steps", "save_interval", "checkpoint_every", "save_every"), "ckpt_every"),
+    **dict.fromkeys(("out_dir", "output_dir", "run_dir", "save_dir"), "out"),
+    **dict.fromkeys(("dataset", "data_dir", "data_path", "train_data"), "data"),
+    **dict.fromkeys(("lr_scheduler_type", "lr_schedule", "lr_decay_style", "scheduler"), "schedule"),
+    **dict.fromkeys(("bfloat16", "torch.bfloat16"), "bf16"),
+    **dict.fromkeys(("float16", "half", "torch.float16"), "fp16"),
+    **dict.fromkeys(("float32", "float", "torch.float32"), "fp32"),
+}
+
+
+def closest(name: str, valid) -> str | None:
+    """The valid name a user most likely meant by `name` (a --flag or a key): another trainer's
+    name for it (ALIASES), else the first that starts with it, else difflib's nearest; None when none is near."""
+    valid = list(valid)
+    alias = ALIASES.get(name.lstrip("-").replace("-", "_").lower())
+    forms = [alias, "--" + alias.replace("_", "-")] if alias else []
+    started = [v for v in valid if len(name) > 1 and v.startswith(name)]  # 'h100' is h100-80, not h200
+    return next((f for f in forms if f in valid), None) or next(
+        iter(started or difflib.get_close_matches(name, valid, n=1)), None
+    )
+
+
+def suggest(name: str, valid) -> str:
+    """' (did you mean 'X'?)' for the closest valid name, '' when none is near."""
+    return f" (did you mean '{close}'?)" if (close := closest(name, valid)) else ""
 
 
 class ArgumentParser(argparse.ArgumentParser):

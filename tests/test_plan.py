@@ -314,6 +314,14 @@ def test_plan_keys_in_toml(tmp_path):
     assert gpus.card(cfg.plan_gpu).total == 24 * 2**30
 
 
+def test_plan_gpu_sizes_say_what_they_mean_and_names_suggest_a_card():
+    assert gpus.card("48GB").total == 48 * 10**9 and gpus.card("48GiB").total == gpus.card("48").total == 48 * 2**30
+    assert gpus.card("80 gb").total == 80 * 10**9 and gpus.card("24G").total == 24 * 2**30
+    for typo, meant in (("rtx4090", "4090"), ("H100", "h100-80"), ("h20", "h200"), ("a100-8", "a100-80")):
+        with pytest.raises(ConfigError, match=f"did you mean '{meant}'"):
+            gpus.card(typo)
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

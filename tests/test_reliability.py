@@ -294,6 +294,15 @@ BAD_ARGS = {
     "negative clip": (["--max-grad-norm", "-1"], "'max_grad_norm' must be >= 0, got -1.0"),
     "zero eval tokens": (["--eval-tokens", "0"], "'eval_tokens' must be > 0, got 0"),
     "bad choice": (["--decay-rule", "all"], "'decay_rule' = 'all' is not one of 'ndim', 'strict'"),
+    "another trainer's dtype": (
+        ["--dtype", "bfloat16"],
+        "'dtype' = 'bfloat16' is not one of 'bf16', 'fp16', 'fp32' (did you mean 'bf16'?)",
+    ),
+    "float32": (["--dtype", "float32"], "(did you mean 'fp32'?)"),
+    "another trainer's flag": (
+        ["--learning-rate", "1e-3"],
+        "unrecognized argument '--learning-rate' (did you mean '--lr'?)",
+    ),
     "heads do not divide dim": (["--n-heads", "3"], "'dim' = 128 is not divisible by 'n_heads' = 3"),
     "kv heads do not divide heads": (["--n-kv-heads", "3"], "'n_heads' = 4 is not divisible by 'n_kv_heads' = 3"),
     "odd head dim": (["--dim", "100"], "head dim 25 (dim 100 / n_heads 4) must be even for RoPE"),
@@ -326,6 +335,21 @@ def test_bad_argument_is_one_line(case, tiny_data, tmp_path, capsys):
     train_refuses(capsys, base_args(tiny_data, tmp_path) + extra, expected)
 
 
+def test_a_missing_data_folder_names_the_nearest_one(tiny_data, tmp_path, capsys):
+    (tmp_path / "data" / "tiny").mkdir(parents=True)
+    (tmp_path / "data" / "bpe").mkdir()
+    for typo in ("data/tny", "dta/tiny", "data/bpee"):
+        want = tmp_path / typo.replace("tny", "tiny").replace("dta", "data").replace("bpee", "bpe")
+        train_refuses(capsys, base_args(tmp_path / typo, tmp_path / "run"), f"does not exist (did you mean '{want}'?)")
+    train_refuses(capsys, base_args(tmp_path / "data" / "zzzzzz", tmp_path / "run"), "does not exist")
+    mixture = f"{tiny_data}:1,{tmp_path / 'data' / 'tny'}:1"
+    train_refuses(
+        capsys,
+        [*TINY, "--out", str(tmp_path / "run"), "--data", mixture],
+        f"(did you mean '{tmp_path / 'data' / 'tiny'}'?)",
+    )
+
+
 def test_triton_kernels_without_a_gpu_or_the_interpreter(tiny_data, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     train_refuses(
@@ -341,6 +365,8 @@ BAD_TOML = {
         "max_steps = 10\nwarmup_step = 2\n",
         "unknown config key 'warmup_step' (did you mean 'warmup_steps'?)",
     ),
+    "another trainer's key": ("learning_rate = 1e-3\n", "unknown config key 'learning_rate' (did you mean 'lr'?)"),
+    "another trainer's steps": ("max_iters = 5\n", "unknown config key 'max_iters' (did you mean 'max_steps'?)"),
     "bad shape": ("n_layers = 0\n", "'n_layers' must be > 0, got 0"),
 }
 

@@ -18,7 +18,7 @@ from fastpt.data.shards import INCOMPLETE, MAX_VOCAB, content_key, read_shard, s
 from fastpt.data.tokenizer import load_tokenizer, read_nanogpt_meta, same_tokenizer
 from fastpt.data.windows import BosWindows, Mixture, Windows, WindowSet
 from fastpt.distributed import Dist, barrier
-from fastpt.errors import ConfigError, DataError
+from fastpt.errors import ConfigError, DataError, closest
 from fastpt.files import write_atomic
 from fastpt.hf import hf_tokenizer_path, load_hf
 from fastpt.presets import PRESETS, ModelConfig, model_config
@@ -28,6 +28,22 @@ GPT2_VOCAB = 50257  # what nanoGPT assumes for headerless data without a meta.pk
 
 def prepare_hint(path: Path) -> str:
     return f"prepare it first with `python -m fastpt.prepare {path} --out DIR`, then train with --data DIR"
+
+
+def nearest_folder(path: Path) -> str:
+    """' (did you mean 'DIR'?)' for a folder that does not exist: at the first part of `path` that is
+    missing, the closest name among the folders there (the rest of the path kept when it exists)."""
+    parts = path.parts
+    at = next(i for i in range(len(parts), -1, -1) if Path(*parts[:i]).is_dir())
+    try:
+        there = [p.name for p in Path(*parts[:at]).iterdir() if p.is_dir()]
+    except OSError:
+        return ""
+    if not (name := closest(parts[at], there)):
+        return ""
+    guess = Path(*parts[:at], name)
+    whole = guess.joinpath(*parts[at + 1 :])
+    return f" (did you mean '{whole if whole.is_dir() else guess}'?)"
 
 
 def find_shards(folder: str | Path, split: str, data_format: str = "llmc") -> list[Path]:
@@ -40,7 +56,7 @@ def find_shards(folder: str | Path, split: str, data_format: str = "llmc") -> li
             + (prepare_hint(folder) if folder.suffix != ".bin" else "give the folder that holds it")
         )
     if not folder.is_dir():
-        raise DataError(f"data folder {folder} does not exist")
+        raise DataError(f"data folder {folder} does not exist{nearest_folder(folder)}")
     if (folder / INCOMPLETE).exists():
         raise DataError(f"{folder} is an unfinished fastpt.prepare output (interrupted): run the prepare again")
     pattern = f"{split}.bin" if data_format == "nanogpt" else f"*{split}_*.bin"
@@ -154,7 +170,9 @@ def data_sources(spec: str) -> list[Source]:
         if not (value > 0 and math.isfinite(value)):
             raise DataError(f"'data': the weight {weight!r} of {name} is not a positive number")
         if not Path(name).is_dir():
-            raise DataError(f"'data': {name} is not a folder of prepared data (weight {weight})")
+            raise DataError(
+                f"'data': {name} is not a folder of prepared data (weight {weight}){nearest_folder(Path(name))}"
+            )
         sources.append(Source(Path(name), value))
     return sources
 

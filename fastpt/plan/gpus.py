@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastpt.errors import ConfigError
+from fastpt.errors import ConfigError, suggest
 from fastpt.kernels import scratch
 
 GIB = 2**30
@@ -45,8 +45,8 @@ class Card:
 
 
 def card(spec: str) -> Card | None:
-    """--plan-gpu: a known card, 'NGiB' (or a bare number of GiB), or '' for this machine's GPU
-    (None without one)."""
+    """--plan-gpu: a known card, 'NGiB' (or G, or a bare number of GiB), 'NGB' (10^9 bytes, as a
+    spec sheet's '48 GB'), or '' for this machine's GPU (None without one)."""
     if not spec:
         if not torch.cuda.is_available():
             return None
@@ -54,9 +54,12 @@ def card(spec: str) -> Card | None:
     if spec.lower() in GPUS:
         name, mib = GPUS[spec.lower()]
         return Card(name, mib * MIB)
-    if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:gib|g|gb)?", spec.strip().lower()):
-        return Card("a card", int(float(m[1]) * GIB))
-    raise ConfigError(f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB")
+    if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gib|g|gb)?", spec.strip().lower()):
+        return Card("a card", int(float(m[1]) * (10**9 if m[2] == "gb" else GIB)))
+    raise ConfigError(
+        f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB"
+        + suggest(spec.strip().lower(), GPUS)
+    )
 
 
 # ---- what a CUDA kernel allocates inside, beyond its outputs
