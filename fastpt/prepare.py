@@ -270,16 +270,29 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def encoding_content(path: Path) -> bytes:
+    """A tokenizer.json's bytes as far as they decide fastpt's ids: without its post-processor, which
+    only adds tokens around a text encoded with special tokens (an export's BOS), which fastpt never asks for."""
+    content = path.read_bytes()
+    try:
+        config = json.loads(content)
+    except ValueError:
+        return content
+    if not isinstance(config, dict) or "type" in config:  # fastpt's own kinds: their bytes as they are
+        return content
+    return json.dumps({**config, "post_processor": None}, sort_keys=True).encode()
+
+
 def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
     """The stdlib corpus, prepared once per interpreter version and tokenizer (a local BPE of
     `vocab_size`, or the given tokenizer.json, e.g. the one of an --init-from model), then reused.
-    A given tokenizer is known by its bytes: a corpus already prepared with a byte-identical one
-    (the local BPE that a model exported from a default run carries along) is reused as it is."""
+    A given tokenizer is known by its content (encoding_content): a corpus already prepared with the
+    same one (the local BPE that a model exported from a default run carries along) is reused as it is."""
     version = f"py{sys.version_info.major}{sys.version_info.minor}"
     if tokenizer is None:
         out, kind = cache_dir() / f"stdlib-{version}-bpe{vocab_size}", "bpe"
     else:  # named by content: another model's tokenizer.json under the same path is another corpus
-        content = Path(tokenizer).read_bytes()
+        content = encoding_content(Path(tokenizer))
         out, kind = cache_dir() / f"stdlib-{version}-tok{hashlib.sha256(content).hexdigest()[:16]}", str(tokenizer)
         out = next(
             (
@@ -287,7 +300,7 @@ def default_corpus(vocab_size: int, tokenizer: Path | None = None) -> Path:
                 for c in sorted(cache_dir().glob(f"stdlib-{version}-*"))
                 if (c / "meta.json").is_file()
                 and (c / "tokenizer.json").is_file()
-                and (c / "tokenizer.json").read_bytes() == content
+                and encoding_content(c / "tokenizer.json") == content
             ),
             out,
         )
