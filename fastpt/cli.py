@@ -75,4 +75,6 @@ def resumed_run(cli: dict[str, Any], config_file: str | None, device: str) -> di
     if recipe != run.get("recipe", "seed"):
         for key in {*recipe_values(run.get("recipe", "seed")), *recipe_values(recipe)}:
             run.pop(key, None)
+    if run.get("warmup_steps", 0) > given.get("max_steps", run.get("max_steps", 0)):
+        del run["warmup_steps"]  # a shorter run than the warmup: the default warmup adapts to it (resolve)
     return {k: v for k, v in run.items() if k not in NOT_RESUMED}

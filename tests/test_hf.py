@@ -456,7 +456,9 @@ def test_init_from_an_export_of_a_default_run_reuses_the_cached_default_corpus(t
     assert prepare.default_corpus(512, other) != corpus
 
 
-MC_ROWS = [  # contexts and endings in the stdlib's own idiom, which the tiny run read
+# Contexts and endings in the stdlib's own idiom, which the tiny run read; no context starts with
+# whitespace, which the task's `trim` would drop.
+MC_ROWS = [
     ("def __init__(self", [", name):", ", *args, **kwargs):", "):"]),
     ("import", ["os", "sys", "re"]),
     ("return", ["None", "self", "True"]),
