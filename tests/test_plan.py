@@ -4,6 +4,7 @@ CPU allocator's real peak; the CUDA corrections, the allocator replay, FSDP in o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -264,7 +265,90 @@ def test_micro_batch_auto_says_when_even_one_does_not_fit():
     with pytest.raises(
         ConfigError, match=r"even micro-batch 1 does not fit .* planned, peak .*activation-checkpointing full"
     ):
-        planner.main(parse_args([*SMALL[:4], "--micro-batch", "auto", "--plan", "--plan-gpu", "0.01"])[0], None)
+        planner.main(parse_args([*SMALL[:4], "--micro-batch", "auto", "--plan", "--plan-gpu", "0.51"])[0], None)
+
+
+def test_micro_batch_auto_keeps_the_sequences_when_a_divisor_fits():
+    """16 sequences on a card that fits micro-batch 6 but not 8: 4 x 4 (16 exactly), not 6 x 3 = 18;
+    the line says 6 fits too."""
+    flags = ("--preset", "tiny", "--vocab-size", "512", "--seq-len", "128")
+    at6 = plan_of(*flags, "--micro-batch", "6", "--grad-accum", "3")
+    at8 = plan_of(*flags, "--micro-batch", "8", "--grad-accum", "2")
+    cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1"])
+    cfg, target = planner.planned_config(cli, config_file)
+    chosen, why = planner.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at6, at8)))
+    assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (4, 4)
+    assert "4 x 4 accum = 16 sequences/step; the largest divisor of 16 that fits" in why and "6 fits too" in why
+
+
+def test_exact_micro_batch_takes_a_divisor_unless_it_halves_the_batch():
+    """The docs' case, 64 sequences where 22 fits: 16 x 4; where the best divisor is under half the
+    largest that fits (14 sequences, 5 fits: divisor 2), the largest, and the nearest above."""
+    assert planner.exact_micro_batch(22, 64) == 16
+    assert planner.exact_micro_batch(6, 16) == 4
+    assert planner.exact_micro_batch(5, 14) == 5
+    assert planner.exact_micro_batch(7, 7) == 7
+
+
+def test_auto_line_says_what_set_the_limit_and_per_rank():
+    """All the step's sequences in one micro-batch with room to spare: the sequences per step set
+    the limit, not the card; over 2 ranks the numbers are per rank, with the global batch."""
+    flags = ("--preset", "tiny", "--vocab-size", "512", "--seq-len", "64")
+    cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1", "--plan-world-size", "2"])
+    cfg, target = planner.planned_config(cli, config_file)
+    chosen, why = planner.fit_micro_batch(cfg, target, 2, gpus.card("80GiB"))
+    assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (16, 1)
+    assert "16 sequences/step per rank (global batch 32 sequences)" in why
+    assert "the sequences per step set the limit, not a card of 80.0 GiB" in why and "to spare" in why
+
+
+def test_fit_margin_covers_the_error_band_and_the_context():
+    """FIT_MARGIN: the plan's error band plus the CUDA context's spread on the smallest card,
+    rounded up to a whole percent; no known card is smaller than that smallest."""
+    need = planner.PLAN_ERROR + planner.CONTEXT_SPREAD / planner.SMALLEST_CARD
+    assert planner.FIT_MARGIN == math.ceil(100 * need) / 100
+    assert all(mib * MIB >= planner.SMALLEST_CARD for _, mib in gpus.GPUS.values())
+
+
+def test_unmodelled_warns_only_when_it_applies():
+    """One warning line naming CUDA graphs' pools, NCCL's buffers and FSDP's stream pools when those
+    apply; nothing for one GPU in the default compile mode or for a CPU run."""
+    plain = plan_of(*SMALL)
+    assert planner.unmodelled(plain) == "" and planner.unmodelled(plan_of(*SMALL, "--device", "cpu")) == ""
+    fsdp = plan_of(*SMALL, "--parallel", "fsdp", "--plan-world-size", "2")
+    line = planner.unmodelled(fsdp)
+    assert line.startswith("fastpt: warning:") and "NCCL" in line and "all-gather and reduce-scatter" in line
+    graphs = dataclasses.replace(
+        plain, cfg=resolve(dict(compile=True, compile_mode="max-autotune", grad_accum=1), None, "cuda")
+    )
+    assert "CUDA graphs' memory pools (max-autotune)" in planner.unmodelled(graphs)
+
+
+def test_own_gpu_is_the_ranks_own_and_its_free_memory(monkeypatch):
+    """Without --plan-gpu under torchrun: LOCAL_RANK's GPU made the device before its memory is asked
+    (so no rank makes a context on GPU 0), and the plan fits what is free on it, not its total."""
+    calls = []
+    current = [0]
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda i: (calls.append(("set_device", i)), current.__setitem__(0, i))
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "H200")
+
+    def mem_get_info(i=None):
+        calls.append(("mem_get_info", i, current[0]))
+        return 20 * 2**30, 140 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    gpu = gpus.card("")
+    assert calls == [("set_device", 3), ("mem_get_info", 3, 3)]
+    assert (gpu.total, gpu.free, gpu.usable) == (140 * 2**30, 20 * 2**30, 20 * 2**30 + gpus.CUDA_CONTEXT)
+    assert "cuda:3" in str(gpu) and "20.0 GiB free of 140.0 GiB" in str(gpu)
+    plan = plan_of(*SMALL)
+    big = SimpleNamespace(reserved=19 * 2**30)  # fits the card's total, not what is free
+    plan.peak, plan.card = SimpleNamespace(**vars(plan.peak) | vars(big)), gpu
+    assert plan.card_bytes < 0.95 * gpu.total and not plan.fits(planner.FIT_MARGIN)
 
 
 def test_first_guess_keeps_tokens_or_goes_just_above():
@@ -317,6 +401,7 @@ def test_plan_keys_in_toml(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
+        (("--plan-gpu", "0GiB"), "'plan_gpu' = '0GiB' holds no more than the CUDA context (0.5 GiB)"),
         (("--plan-gpu", "h300"), "'plan_gpu' = 'h300' is not a card: one of h100-80, h200, a100-40, a100-80, l4, 4090"),
         (("--dim", "100", "--n-heads", "3"), "'dim' = 100 is not divisible by 'n_heads' = 3"),
         (("--micro-batch", "lots"), "invalid int_or_auto value: 'lots'"),
@@ -327,7 +412,7 @@ def test_plan_keys_in_toml(tmp_path):
             "'plan_json' = '/nonexistent/dir/planner.json'",
         ),
     ],
-    ids=["card", "shape", "micro-batch", "world-size", "auto-without-card", "json-path"],
+    ids=["no-memory", "card", "shape", "micro-batch", "world-size", "auto-without-card", "json-path"],
 )
 def test_bad_input_is_one_line_and_exit_2(flags, message):
     if "no GPU" in message and torch.cuda.is_available():
@@ -348,7 +433,9 @@ def test_training_with_micro_batch_auto(tiny_data, tmp_path):
         "--eval-tokens", "256", "--plan-gpu", "64GiB",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "micro-batch auto: 32 x 1 accum = 32 sequences/step; the largest that fits" in proc.stdout
+    assert (
+        "micro-batch auto: 32 x 1 accum = 32 sequences/step; the sequences per step set the limit, not" in proc.stdout
+    )
     assert "1,024 tokens/step (32 x 32 x 1 accum" in proc.stdout
     assert "micro_batch = 32\ngrad_accum = 1\n" in (out / "config.toml").read_text()
     assert len(read_metrics(out)) == 2

@@ -35,28 +35,52 @@ CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper, all
 class Card:
     name: str
     total: int  # bytes
+    free: int | None = None  # this machine's own GPU: what was free on it when asked (others' use aside)
 
     def __str__(self) -> str:
+        if self.free is not None:
+            return f"{self.name} ({self.free / GIB:.1f} GiB free of {self.total / GIB:.1f} GiB)"
         return (
             f"{self.name} of {self.total / GIB:.1f} GiB"
             if self.name == "a card"
             else f"{self.name} ({self.total / GIB:.1f} GiB)"
         )
 
+    @property
+    def usable(self) -> int:
+        """What a run may fill: the whole card, or on this machine's own GPU what is free plus this
+        process's CUDA context, which it holds already (asking made it) and which a plan's need counts."""
+        return self.total if self.free is None else self.free + CUDA_CONTEXT
+
 
 def card(spec: str) -> Card | None:
     """--plan-gpu: a known card, 'NGiB' (or a bare number of GiB), or '' for this machine's GPU
     (None without one)."""
     if not spec:
-        if not torch.cuda.is_available():
-            return None
-        return Card(torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1])
+        return own_card()
     if spec.lower() in GPUS:
         name, mib = GPUS[spec.lower()]
         return Card(name, mib * MIB)
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(?:gib|g|gb)?", spec.strip().lower()):
+        if float(m[1]) * GIB <= CUDA_CONTEXT:
+            raise ConfigError(
+                f"'plan_gpu' = {spec!r} holds no more than the CUDA context ({CUDA_CONTEXT / GIB:.1f} GiB): "
+                "give the card's memory, such as 24GiB"
+            )
         return Card("a card", int(float(m[1]) * GIB))
     raise ConfigError(f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB")
+
+
+def own_card() -> Card | None:
+    """This process's GPU (LOCAL_RANK's under torchrun; None without one), made its device before
+    anything asks it: asking makes a CUDA context, which must not be on GPU 0 for every rank. Its
+    free memory is what the plan must fit: other processes may hold some."""
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return Card(f"{torch.cuda.get_device_name(index)} cuda:{index}", total, free)
 
 
 # ---- what a CUDA kernel allocates inside, beyond its outputs

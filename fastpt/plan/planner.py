@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,7 +51,14 @@ from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
 from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
 from fastpt.step import build_model, train_step
 
-FIT_MARGIN = 0.05  # --micro-batch auto leaves this fraction of the card free
+# --micro-batch auto leaves this fraction of the card free: the plan's error band (PLAN_ERROR, the
+# most a checked config was planned below its measured peak, docs/memory.md) plus what the CUDA
+# context may take beyond its estimate (CONTEXT_SPREAD, 0.6 GiB measured at most against the 0.5
+# GiB estimate) on the smallest card fastpt plans for (SMALLEST_CARD), rounded up to a whole percent.
+PLAN_ERROR = 0.03
+CONTEXT_SPREAD = 0.1 * GIB
+SMALLEST_CARD = 8 * GIB
+FIT_MARGIN = 0.05
 
 
 # ---- the run, built over fake tensors
@@ -142,7 +150,7 @@ class Plan:
         return self.peak.reserved + CUDA_CONTEXT if self.target == "cuda" else self.peak.bytes
 
     def fits(self, margin: float = 0.0) -> bool | None:
-        return None if self.card is None else self.card_bytes <= self.card.total * (1 - margin)
+        return None if self.card is None else self.card_bytes <= self.card.usable * (1 - margin)
 
 
 @contextlib.contextmanager
@@ -269,6 +277,30 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 
 
+def command_seconds() -> float | None:
+    """Seconds since this process started (Linux: /proc), imports and every plan included."""
+    try:
+        start_ticks = float(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return time.time() - boot - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def unmodelled(plan: Plan) -> str:
+    """The warning line for what this run holds beyond the plan's model ('' when nothing applies)."""
+    cfg, what = plan.cfg, []
+    if plan.target == "cuda" and cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        what.append(f"the CUDA graphs' memory pools ({cfg.compile_mode})")
+    if plan.target == "cuda" and plan.world_size > 1:
+        what.append("NCCL's buffers")
+        if cfg.parallel == "fsdp":
+            what.append("the caching allocator's separate pools of FSDP's all-gather and reduce-scatter streams")
+    if not what:
+        return ""
+    return f"fastpt: warning: the plan does not model {', '.join(what)}: leave room beyond it"
+
+
 def describe(plan: Plan) -> list[str]:
     """The plan as it prints: the run, the peak and its parts, what the card needs, the verdict."""
     cfg, cuda, peak = plan.cfg, plan.target == "cuda", plan.peak
@@ -296,10 +328,11 @@ def describe(plan: Plan) -> list[str]:
             f"(its segments, replayed) + {gib(CUDA_CONTEXT)} CUDA context (an estimate)"
         )
     if plan.card is not None:
-        spare = plan.card.total - plan.card_bytes
+        spare = plan.card.usable - plan.card_bytes
         verdict = "fits" if spare >= 0 else "does NOT fit"
         lines.append(f"{verdict} {plan.card}: {gib(abs(spare))} {'to spare' if spare >= 0 else 'short'}")
-    lines.append(f"planned in {plan.seconds:.1f} s")
+    took = command_seconds()
+    lines.append(f"planned in {plan.seconds:.1f} s" + (f" (the whole command so far: {took:.1f} s)" if took else ""))
     return lines
 
 
@@ -329,6 +362,8 @@ def to_json(plan: Plan) -> dict:
         )
     if plan.card is not None:
         out.update(gpu=plan.card.name, gpu_gib=plan.card.total / GIB, fits=plan.fits())
+        if plan.card.free is not None:
+            out.update(gpu_free_gib=plan.card.free / GIB)
     return out
 
 
@@ -345,41 +380,64 @@ def config_sequences(cfg: TrainConfig) -> int:
 
 
 def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
-    """The largest micro-batch whose plan fits the card with FIT_MARGIN free, grad_accum adjusted to
-    keep the config's sequences per step (or the nearest above); the plan at it, and what it chose.
-    The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first guess,
-    then the number of micro-steps moves by one until the fit is tight."""
+    """The largest micro-batch whose plan fits the card with FIT_MARGIN free that divides the
+    config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
+    under half the largest that fits, that one with the nearest above; the plan at it, and what it
+    chose. The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first
+    guess, then the number of micro-steps moves by one until the fit is tight."""
     if gpu is None:
         raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
     sequences = config_sequences(cfg)
     plans: dict[int, Plan] = {}
 
-    def plan_at(accum: int) -> Plan:  # the plan with `accum` micro-steps
-        if accum not in plans:
-            micro = -(-sequences // accum)
-            plans[accum] = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
-            plans[accum].card = gpu
-        return plans[accum]
+    def plan_at(micro: int) -> Plan:  # the plan at `micro`, with the fewest micro-steps that hold the sequences
+        if micro not in plans:
+            accum = -(-sequences // micro)
+            plans[micro] = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
+            plans[micro].card = gpu
+        return plans[micro]
 
-    one = plan_at(sequences)
-    if not one.fits(FIT_MARGIN):
+    fits = lambda micro: plan_at(micro).fits(FIT_MARGIN)
+    one = plan_at(1)
+    if not fits(1):
         raise ConfigError(
             f"'micro_batch' = 'auto': even micro-batch 1 does not fit {gpu} ({gib(one.card_bytes)} planned, "
             f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
         )
-    accum = guess_accum(one, plan_at(-(-sequences // min(sequences, 4))), sequences, gpu.total * (1 - FIT_MARGIN))
-    while accum < sequences and not plan_at(accum).fits(FIT_MARGIN):
-        accum += 1
-    while accum > 1 and plan_at(accum).fits(FIT_MARGIN) and plan_at(accum - 1).fits(FIT_MARGIN):
-        accum -= 1
-    best = plan_at(accum)
-    micro = best.cfg.micro_batch
-    exact = "" if micro * accum == sequences else f", the nearest above the config's {sequences}"
-    why = (
-        f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{exact}; the largest that "
-        f"fits {gpu} with {FIT_MARGIN:.0%} free ({gib(best.card_bytes)} planned)"
-    )
-    return best, why
+    # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
+    candidates = sorted({-(-sequences // accum) for accum in range(1, sequences + 1)})
+    accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - FIT_MARGIN))
+    i = candidates.index(-(-sequences // accum))
+    while i + 1 < len(candidates) and fits(candidates[i + 1]):
+        i += 1
+    while i > 0 and not fits(candidates[i]):
+        i -= 1
+    largest = candidates[i]
+    micro = exact_micro_batch(largest, sequences)
+    best = plan_at(micro) if fits(micro) else plan_at(largest)
+    return best, chosen_line(best, sequences, largest, world_size)
+
+
+def exact_micro_batch(largest: int, sequences: int) -> int:
+    """The largest divisor of `sequences` up to `largest` (the step keeps its sequences exactly);
+    `largest` itself when that divisor is under half of it (more than twice the micro-steps)."""
+    divisor = max(d for d in range(1, largest + 1) if sequences % d == 0)
+    return divisor if 2 * divisor >= largest else largest
+
+
+def chosen_line(best: Plan, sequences: int, largest: int, world_size: int) -> str:
+    """What --micro-batch auto chose and what set it: the card, or the sequences per step."""
+    micro, accum, gpu = best.cfg.micro_batch, best.cfg.grad_accum, best.card
+    per_rank = f" per rank (global batch {micro * accum * world_size} sequences)" if world_size > 1 else ""
+    line = f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{per_rank}"
+    if micro * accum != sequences:
+        line += f", the nearest above the config's {sequences} (no divisor of it near {largest} fits)"
+    if micro == sequences:
+        spare = gpu.usable - best.card_bytes
+        return line + f"; the sequences per step set the limit, not {gpu} ({gib(spare)} to spare)"
+    which = f"the largest divisor of {sequences} that fits" if micro != largest else "the largest that fits"
+    line += f"; {which} {gpu} with {FIT_MARGIN:.0%} free ({gib(best.card_bytes)} planned)"
+    return line + (f"; {largest} fits too, with more sequences per step" if micro != largest else "")
 
 
 def guess_accum(one: Plan, probe: Plan, sequences: int, limit: float) -> int:
@@ -424,6 +482,8 @@ def main(cli: dict, config_file: str | None) -> int:
         plan.card = gpu
     lines = describe(plan) + ([why] if why else [])
     print("\n".join(lines), flush=True)
+    if warning := unmodelled(plan):
+        print(warning, file=sys.stderr, flush=True)
     if cfg.plan_json:
         text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
         try:
@@ -441,4 +501,6 @@ def auto_micro_batch(cfg: TrainConfig) -> tuple[TrainConfig, str]:
     gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     plan, why = fit_micro_batch(cfg, cfg.device, world_size, gpu)
+    if warning := unmodelled(plan):
+        print(warning, file=sys.stderr, flush=True)
     return dataclasses.replace(cfg, micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum), why
