@@ -18,7 +18,7 @@ from conftest import REPO, read_metrics, run_train
 from fastpt.cli import parse_args
 from fastpt.config import resolve
 from fastpt.errors import ConfigError
-from fastpt.plan import gpus, planner
+from fastpt.plan import gpus, planner, torch_internals
 from fastpt.plan.memory import ALIVE, CachingAllocator, Life, MemoryTrace, replay, sweep
 
 MIB = 2**20
@@ -153,6 +153,67 @@ def test_fsdp_plans_rank_zero_of_n_in_one_process():
     assert not torch.distributed.is_initialized()  # the fake process group is gone
 
 
+def test_fsdp_plan_agrees_with_torchs_fsdp_mem_tracker():
+    """FSDP over 4 fake ranks, a CPU run's sizes (no allocator rounding): the same peak, byte for
+    byte, as torch's own FSDPMemTracker over the same fake step (after a warm-up step), and the same
+    sharded parameters, all-gathered parameters, activations and optimizer state at it."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    from fastpt.step import build_model, train_step
+
+    flags = (*SMALL, "--dim", "256", "--n-heads", "4", "--n-layers", "4", "--parallel", "fsdp")
+    cli, config_file = parse_args([*flags, "--plan-world-size", "4", "--device", "cpu", "--dtype", "fp32"])
+    cfg, _ = planner.planned_config(cli, config_file)
+    ours = planner.trace(cfg, "cpu", 4).peak
+    mcfg = planner.planned_model(cfg)
+    with planner.fake_run("cpu", 4) as (d, _):
+        net = build_model(cfg, mcfg, torch.device("cpu"), d)
+        loader = planner.FakeLoader(4, 64, mcfg.vocab_size)
+        tracker = FSDPMemTracker(net.model, net.optimizers[0])
+        with tracker:
+            for i in range(2):
+                train_step(net, loader, cfg, d)
+                if i == 0:
+                    tracker.reset_mod_stats()
+        theirs = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    assert ours.bytes == theirs["Total"] > 0
+    assert ours.parts["parameters"] == theirs[_FSDPRefType.SHARDED_PARAM] + theirs[_FSDPRefType.BUFFER]
+    assert ours.parts["all-gathered parameters"] == theirs[_FSDPRefType.UNSHARDED_PARAM]
+    assert ours.parts["activations"] == theirs[_FSDPRefType.ACT]
+    assert ours.parts["optimizer state"] == theirs[_FSDPRefType.OPT]
+
+
+def test_private_torch_apis_resolve():
+    """Every private torch API fastpt.plan depends on (torch_internals.PRIVATE) is where it was."""
+    assert torch_internals.missing() == []
+
+
+def test_a_moved_private_api_is_named(monkeypatch):
+    """When a torch upgrade moves one, the failure names it."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    monkeypatch.delattr(ShardingPropagator, "_fake_mode_lock")
+    monkeypatch.delattr(torch._inductor.config, "realize_reads_threshold")
+    gone = [line.split(":")[0] for line in torch_internals.missing()]
+    assert gone == ["ShardingPropagator._fake_mode_lock", "torch._inductor.config realize thresholds"]
+
+
+def test_lowering_reads_inductors_thresholds(monkeypatch):
+    """The replay's realize rules take their thresholds from torch._inductor.config, per device
+    (torch 2.13: accumulated reads 12 on a CPU, 8 on CUDA): lowered, a value is stored instead."""
+    import torch._inductor.config as inductor_config
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fastpt.plan.compiled import Lowering
+
+    assert torch_internals.realize_thresholds("cuda")[1] == inductor_config._realize_acc_reads_threshold_default
+    assert torch_internals.realize_thresholds("cpu")[1] == inductor_config.realize_cpu_acc_reads_threshold
+    gm = make_fx(lambda *xs: torch.mm(sum(xs[1:], xs[0] * 2), xs[0]))(*[torch.randn(4, 4) for _ in range(10)])
+    inlined = {n.name for n in Lowering(gm, "cuda", backward=False).fused}
+    monkeypatch.setattr(inductor_config, "realize_acc_reads_threshold", 2)
+    assert {n.name for n in Lowering(gm, "cuda", backward=False).fused} < inlined
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_activation_checkpointing_keeps_less(compiled):
     """--activation-checkpointing full: the blocks' activations recomputed in the backward (compiled:
@@ -183,12 +244,32 @@ def test_plan_without_data_takes_the_default_corpus_vocab():
 
 
 def test_ddp_rank_holds_its_gradient_buckets():
-    """--parallel ddp (the default) over 2 ranks: one process's step plus DDP's buckets, one copy of
-    every gradient."""
+    """--parallel ddp (the default) over 2 ranks: one process's step plus DDP's buckets, which hold
+    the gradients themselves (gradient_as_bucket_view): one copy of every gradient, not two."""
     one, two = plan_of(*SMALL), plan_of(*SMALL, "--plan-world-size", "2")
     buckets = two.peak.parts["DDP gradient buckets"]
     assert buckets == pytest.approx(4 * one.params, rel=0.01)  # fp32 gradients of every parameter
-    assert two.peak.bytes >= one.peak.bytes + buckets - 2**20
+    assert two.peak.parts["gradients"] == 0
+    assert abs(two.peak.bytes - one.peak.bytes) <= 2**20 + 0.02 * one.peak.bytes
+
+
+def test_fsdp_reshard_grads_keeps_no_unsharded_gradients():
+    """--fsdp-reshard-grads (reduce-scatter at every micro-step): no unsharded fp32 gradients across
+    micro-steps, a peak lower by about their size; the plan prints the other choice's peak; auto
+    takes it when keeping them leaves not even micro-batch 1 fitting, and says so."""
+    flags = (*SMALL, "--grad-accum", "2", "--dim", "256", "--n-heads", "4", "--n-layers", "6", "--parallel", "fsdp")
+    flags += ("--plan-world-size", "4")
+    keep, reshard = plan_of(*flags), plan_of(*flags, "--fsdp-reshard-grads")
+    assert keep.peak.parts["unsharded gradients"] == pytest.approx(4 * keep.params, rel=0.05)
+    assert reshard.peak.parts.get("unsharded gradients", 0) == 0
+    assert reshard.peak.bytes < keep.peak.bytes - 2 * keep.params
+    (line,) = planner.other_gradient_sync(keep)
+    assert line.startswith("reduce-scattering at every micro-step") and planner.gib(reshard.peak.bytes) in line
+    shape = [*SMALL[:4], "--seq-len", "64", *flags[10:]]  # 16 sequences per step (tiny's micro-batch x 1)
+    cfg, target = planner.planned_config(*parse_args([*shape, "--micro-batch", "auto"]))
+    at1 = [plan_of(*shape, "--micro-batch", "1", "--grad-accum", "16", *r) for r in ((), ("--fsdp-reshard-grads",))]
+    chosen, why = planner.fit_micro_batch_fsdp(cfg, target, 4, gpus.card(card_between(at1[1], at1[0])))
+    assert chosen.cfg.fsdp_reshard_grads and "with --fsdp-reshard-grads" in why
 
 
 def test_lowering_inlines_and_overwrites_as_inductor_does():

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
 
 from fastpt import distributed, kernels
 from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, check_runtime, load_toml, resolve
@@ -45,9 +44,11 @@ from fastpt.data.loader import Batch
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_atomic
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
+from fastpt.plan import torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
 from fastpt.plan.gpus import CUBLAS_WORKSPACE, CUDA_CONTEXT, GIB, Card, card, machine_card, scratch_table
 from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
+from fastpt.plan.torch_internals import fsdp_params
 from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
 from fastpt.step import build_model, train_step
 
@@ -97,10 +98,7 @@ def fake_world(world_size: int) -> Iterator[distributed.Dist]:
     if world_size == 1:
         yield distributed.ONE_PROCESS
         return
-    import torch.distributed._tools.fake_collectives  # noqa: F401  (c10d collectives on fake tensors)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=torch_internals.fake_store(), rank=0, world_size=world_size)
     try:
         yield distributed.Dist(0, 0, world_size)
     finally:
@@ -213,6 +211,8 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
         step = lambda: train_step(net, loader, step_config(cfg), d)
         trace_steps(mem, step, net.raw, net.optimizers)
         params = net.raw.num_params()
+    for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
+        life.nbytes = 0 if life.kind == "gradients" else life.nbytes
     peak = peak_of(mem, target, micro_steps)
     return Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
 
@@ -222,8 +222,8 @@ DDP_BUCKET_BYTES = (2**20, 25 * 2**20)  # DDP's first bucket, then bucket_cap_mb
 
 def ddp_buckets(model: torch.nn.Module, round_to: Callable[[int], int]) -> list[Life]:
     """The gradient buckets a DDP rank holds for the whole run (the reducer allocates them when DDP is
-    built: each gradient is copied into its bucket for the all-reduce), the parameters in reverse
-    order, as DDP fills them."""
+    built; with gradient_as_bucket_view, fastpt's, the gradients are views into them, so trace drops
+    their own storages), the parameters in reverse order, as DDP fills them."""
     buckets, size = [], 0
     for p in reversed([p for p in model.parameters() if p.requires_grad]):
         size += p.numel() * p.element_size()
@@ -234,19 +234,12 @@ def ddp_buckets(model: torch.nn.Module, round_to: Callable[[int], int]) -> list[
     return [Life(round_to(n), 0, "DDP gradient bucket", (n,), "before", kind="DDP gradient buckets") for n in buckets]
 
 
-def fsdp_params(model: torch.nn.Module) -> Iterator:
-    """FSDP2's records of every sharded parameter (its private FSDPParam objects); none without FSDP."""
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        yield from group.fsdp_params if group else ()
-
-
 def gathered(args: tuple, kwargs: dict, out: object) -> list:
     """FSDP2 copies each all-gathered parameter out of the flat buffer into these."""
     return [(t, "all-gathered parameters") for t in kwargs["out"]]
 
 
-FSDP_LABELS = {torch.ops.fsdp.split_with_sizes_copy.default: gathered}
+FSDP_LABELS = {torch_internals.fsdp_split_copy(): gathered}
 
 
 def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:
@@ -418,6 +411,38 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
     return best, chosen_line(best, sequences, largest, world_size)
 
 
+def reshards(cfg: TrainConfig, world_size: int) -> bool | None:
+    """Whether FSDP reduce-scatters at every micro-step (None when the choice does not apply: no
+    FSDP, one rank, or one micro-step)."""
+    return cfg.fsdp_reshard_grads if cfg.parallel == "fsdp" and world_size > 1 and cfg.grad_accum > 1 else None
+
+
+def fit_micro_batch_fsdp(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
+    """fit_micro_batch; under FSDP with accumulation, when keeping the unsharded gradients across
+    micro-steps leaves not even micro-batch 1 fitting, reduce-scattering at every one instead."""
+    try:
+        return fit_micro_batch(cfg, target, world_size, gpu)
+    except ConfigError:
+        accumulates = config_sequences(cfg) > 1  # micro-batch 1 takes that many micro-steps
+        if not (cfg.parallel == "fsdp" and world_size > 1 and accumulates and not cfg.fsdp_reshard_grads):
+            raise
+    plan, why = fit_micro_batch(dataclasses.replace(cfg, fsdp_reshard_grads=True), target, world_size, gpu)
+    return (
+        plan,
+        why + "; with --fsdp-reshard-grads (reduce-scatter every micro-step): the unsharded gradients do not fit",
+    )
+
+
+def other_gradient_sync(plan: Plan) -> list[str]:
+    """Under FSDP with accumulation, the peak with the other gradient sync: a line (else none)."""
+    now = reshards(plan.cfg, plan.world_size)
+    if now is None:
+        return []
+    other = trace(dataclasses.replace(plan.cfg, fsdp_reshard_grads=not now), plan.target, plan.world_size)
+    how = "reduce-scattering at every micro-step (--fsdp-reshard-grads)" if not now else "only at the last micro-step"
+    return [f"{how}: peak {gib(other.peak.bytes)}, the card needs {gib(other.card_bytes)}"]
+
+
 def exact_micro_batch(largest: int, sequences: int) -> int:
     """The largest divisor of `sequences` up to `largest` (the step keeps its sequences exactly);
     `largest` itself when that divisor is under half of it (more than twice the micro-steps)."""
@@ -476,11 +501,11 @@ def main(cli: dict, config_file: str | None) -> int:
     gpu = card(cfg.plan_gpu) if target == "cuda" else machine_card()
     why = ""
     if cfg.micro_batch == AUTO:
-        plan, why = fit_micro_batch(cfg, target, cfg.plan_world_size, gpu)
+        plan, why = fit_micro_batch_fsdp(cfg, target, cfg.plan_world_size, gpu)
     else:
         plan = trace(cfg, target, cfg.plan_world_size)
         plan.card = gpu
-    lines = describe(plan) + ([why] if why else [])
+    lines = describe(plan) + ([why] if why else []) + other_gradient_sync(plan)
     print("\n".join(lines), flush=True)
     if warning := unmodelled(plan):
         print(warning, file=sys.stderr, flush=True)
@@ -500,7 +525,8 @@ def auto_micro_batch(cfg: TrainConfig) -> tuple[TrainConfig, str]:
         return cfg, ""
     gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, why = fit_micro_batch(cfg, cfg.device, world_size, gpu)
+    plan, why = fit_micro_batch_fsdp(cfg, cfg.device, world_size, gpu)
     if warning := unmodelled(plan):
         print(warning, file=sys.stderr, flush=True)
-    return dataclasses.replace(cfg, micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum), why
+    chosen = dict(micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum)
+    return dataclasses.replace(cfg, **chosen, fsdp_reshard_grads=plan.cfg.fsdp_reshard_grads), why
