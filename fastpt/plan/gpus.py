@@ -28,7 +28,14 @@ GPUS = {
 # the cuBLAS / cuDNN handles and their libraries' modules: 0.3-0.6 GiB on recent drivers. An
 # estimate until bench/gpu.sh measures it (nvidia-smi's used memory less torch's reserved).
 CUDA_CONTEXT = GIB // 2
-CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper, allocated through torch
+# cuBLAS keeps a workspace per (handle, stream), allocated through torch's caching allocator at a
+# thread's first matmul and held for the process. PyTorch's handle pool gives each thread its own
+# handle, and a backward runs on autograd's device thread, not the forward's: a training step holds
+# two workspaces, and a cuBLASLt workspace per handle (TORCH_CUBLASLT_WORKSPACE_SIZE, 1 MiB).
+CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
+CUBLAS_WORKSPACE_BEFORE_HOPPER = 8 * MIB + 128 * 2**10  # Ampere, Ada (:4096:2:16:8)
+CUBLASLT_WORKSPACE = MIB
+BEFORE_HOPPER = {"a100-40", "a100-80", "l4", "4090"}
 
 
 @dataclass
@@ -69,6 +76,13 @@ def card(spec: str) -> Card | None:
             )
         return Card("a card", int(float(m[1]) * GIB))
     raise ConfigError(f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB")
+
+
+def cublas_workspaces(spec: str) -> list[int]:
+    """The cuBLAS and cuBLASLt workspaces of a training step (the forward's thread and the
+    backward's) on the card --plan-gpu names; Hopper's, the larger, where it names none known."""
+    each = CUBLAS_WORKSPACE_BEFORE_HOPPER if spec.lower() in BEFORE_HOPPER else CUBLAS_WORKSPACE
+    return [each, each, CUBLASLT_WORKSPACE, CUBLASLT_WORKSPACE]
 
 
 def own_card() -> Card | None:

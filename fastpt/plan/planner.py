@@ -13,7 +13,7 @@ tensors with a GPU run's choices and corrects for what differs, explicitly:
   scratch that a kernel allocates inside (gpus.scratch_table) is added while its op runs;
 - attention: the CPU's flash kernel saves what CUDA's does (q, k, v, out, an fp32 logsumexp); the
   CUDA flash backward's accumulators are added as its scratch;
-- sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspace;
+- sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspaces;
 - autocast: CPU and CUDA cast the ops of fastpt's forward alike (matmuls and attention to the
   autocast dtype on both; the norms and the loss upcast their inputs themselves), so nothing to do.
 Compiled runs: plan.compiled (Inductor's partitioner, its lowering's memory rules).
@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import re
 import sys
@@ -46,20 +47,28 @@ from fastpt.files import os_reason, write_atomic
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
 from fastpt.plan import torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
-from fastpt.plan.gpus import CUBLAS_WORKSPACE, CUDA_CONTEXT, GIB, Card, card, machine_card, scratch_table
+from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, card, cublas_workspaces, machine_card, scratch_table
 from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
 from fastpt.plan.torch_internals import fsdp_params
 from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
 from fastpt.step import build_model, train_step
 
-# --micro-batch auto leaves this fraction of the card free: the plan's error band (PLAN_ERROR, the
-# most a checked config was planned below its measured peak, docs/memory.md) plus what the CUDA
-# context may take beyond its estimate (CONTEXT_SPREAD, 0.6 GiB measured at most against the 0.5
-# GiB estimate) on the smallest card fastpt plans for (SMALLEST_CARD), rounded up to a whole percent.
-PLAN_ERROR = 0.03
+# --micro-batch auto leaves a fraction of the card free (fit_margin): the plan's error band
+# (PLAN_ERROR, the most a checked config was planned below its measured peak: eager 1.4%, compiled
+# 9-10% on an H200, tests/planned_peaks.json's "measured"), plus what the CUDA context may take
+# beyond its estimate (CONTEXT_SPREAD: 0.6 GiB at most against 0.5 GiB) on the smallest card fastpt
+# plans for (SMALLEST_CARD), rounded up to a whole percent: 5% eager, 12% compiled.
+PLAN_ERROR = {"eager": 0.03, "compiled": 0.10}
 CONTEXT_SPREAD = 0.1 * GIB
 SMALLEST_CARD = 8 * GIB
-FIT_MARGIN = 0.05
+
+
+def fit_margin(compiled: bool) -> float:
+    """The fraction of the card --micro-batch auto leaves free (the comment above)."""
+    return math.ceil(100 * (PLAN_ERROR["compiled" if compiled else "eager"] + CONTEXT_SPREAD / SMALLEST_CARD)) / 100
+
+
+FIT_MARGIN = fit_margin(compiled=False)
 
 
 # ---- the run, built over fake tensors
@@ -152,15 +161,18 @@ class Plan:
 
 
 @contextlib.contextmanager
-def fake_run(target: str, world_size: int = 1, compile: bool = False) -> Iterator[tuple[distributed.Dist, MemoryTrace]]:
+def fake_run(
+    target: str, world_size: int = 1, compile: bool = False, gpu: str = ""
+) -> Iterator[tuple[distributed.Dist, MemoryTrace]]:
     """Where a planned step is built and run: fake tensors (no byte allocated), fastpt's Triton ops
     traced through their fakes, a fake process group for rank 0 of world_size, torch.compile's
     caches off; the garbage collector off, so storages die when their last reference goes, as on a
-    GPU. Yields the process and an empty trace with the target's allocator rounding and scratch."""
+    GPU. Yields the process and an empty trace with the target's allocator rounding and scratch,
+    and on CUDA the cuBLAS workspaces of the card `gpu` (--plan-gpu) names."""
     cuda = target == "cuda"
     mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, FSDP_LABELS)
-    if cuda:  # allocated through torch's allocator at the first matmul, kept for the process
-        mem.lives.append(Life(CUBLAS_WORKSPACE, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
+    for nbytes in cublas_workspaces(gpu) if cuda else ():  # through torch's allocator, kept for the process
+        mem.lives.append(Life(nbytes, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
     gc.collect()
     gc.disable()
     try:
@@ -202,7 +214,7 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
     seq_len = cfg.seq_len or mcfg.max_seq_len
     micro_steps = step_config(cfg).grad_accum
     ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
-    with fake_run(target, 1 if ddp else world_size, cfg.compile) as (d, mem):
+    with fake_run(target, 1 if ddp else world_size, cfg.compile, cfg.plan_gpu) as (d, mem):
         net = build_model(as_planned(cfg, target), mcfg, torch.device("cpu"), d)
         recompile_for_plan(net.raw, target)
         if ddp:
@@ -373,7 +385,7 @@ def config_sequences(cfg: TrainConfig) -> int:
 
 
 def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
-    """The largest micro-batch whose plan fits the card with FIT_MARGIN free that divides the
+    """The largest micro-batch whose plan fits the card with fit_margin free that divides the
     config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
     under half the largest that fits, that one with the nearest above; the plan at it, and what it
     chose. The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first
@@ -390,7 +402,8 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
             plans[micro].card = gpu
         return plans[micro]
 
-    fits = lambda micro: plan_at(micro).fits(FIT_MARGIN)
+    margin = fit_margin(cfg.compile)
+    fits = lambda micro: plan_at(micro).fits(margin)
     one = plan_at(1)
     if not fits(1):
         raise ConfigError(
@@ -399,7 +412,7 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
         )
     # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
     candidates = sorted({-(-sequences // accum) for accum in range(1, sequences + 1)})
-    accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - FIT_MARGIN))
+    accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
     i = candidates.index(-(-sequences // accum))
     while i + 1 < len(candidates) and fits(candidates[i + 1]):
         i += 1
@@ -461,7 +474,7 @@ def chosen_line(best: Plan, sequences: int, largest: int, world_size: int) -> st
         spare = gpu.usable - best.card_bytes
         return line + f"; the sequences per step set the limit, not {gpu} ({gib(spare)} to spare)"
     which = f"the largest divisor of {sequences} that fits" if micro != largest else "the largest that fits"
-    line += f"; {which} {gpu} with {FIT_MARGIN:.0%} free ({gib(best.card_bytes)} planned)"
+    line += f"; {which} {gpu} with {fit_margin(best.cfg.compile):.0%} free ({gib(best.card_bytes)} planned)"
     return line + (f"; {largest} fits too, with more sequences per step" if micro != largest else "")
 
 
