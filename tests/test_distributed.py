@@ -92,6 +92,14 @@ def test_two_processes_follow_one_process(runs, layout):
     assert_same_curve(runs[layout], runs["one"])
 
 
+def test_fsdp_reducing_every_micro_step_follows_one_process(runs, tiny_data, tmp_path):
+    """--fsdp-reshard-grads: FSDP reduce-scatters at every micro-step (no unsharded gradients kept
+    across them) and trains as the one-process run does."""
+    assert_same_curve(
+        train(tiny_data, tmp_path / "reshard", 2, "--parallel", "fsdp", "--fsdp-reshard-grads"), runs["one"]
+    )
+
+
 @pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full")])
 def test_compiled_with_activation_checkpointing_follows_one_process(runs, tiny_data, tmp_path, layout, checkpointing):
     """FSDP compiles each block before sharding it, DDP the whole model before wrapping it; with
