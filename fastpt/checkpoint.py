@@ -257,13 +257,15 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
 
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     """The whole state of a file; of a shard directory, all but the model and optimizer
-    (`apply` reads those). Nothing in the file runs: see the module's docstring."""
+    (`apply` reads those). Nothing in the file runs: see the module's docstring. On the CPU the
+    file is memory-mapped: its tensors are the file's pages, not a copy in memory."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all
-            ckpt = torch.load(file, map_location=map_location, weights_only=True)
+            mmap = torch.device(map_location).type == "cpu"
+            ckpt = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise unpickling_error(file, e) from None
     except Exception as e:  # damaged bytes fail anywhere in torch's reader: IndexError, EOFError, zip errors ...
@@ -359,6 +361,8 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
                     warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
                     dcp.load(layout, checkpoint_id=path, storage_reader=reader, planner=SafePlanner(path))
                 stateful.load_state_dict(layout[name])
+            elif name in TENSOR_KEYS:  # into the live tensors (the optimizer's made now, as a first step would)
+                stateful.load_state_dict(copied_into(stateful.state_dict(), ckpt[name]))
             else:
                 stateful.load_state_dict(ckpt[name])
         except (Exception, CheckpointException) as e:  # a state of the wrong shape or type: a damaged checkpoint
@@ -367,6 +371,21 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
             if isinstance(e, FastptError):  # a refused file (CheckpointError), a loader that does not fit the data
                 raise type(e)(str(e) if str(path) in str(e) else f"{path}: {e}") from None
             raise CheckpointError(f"could not load the {name} state from {path}: {reason(e)}") from None
+
+
+def copied_into(live: object, saved: object) -> object:
+    """`saved` with each tensor copied into the live tensor of the same place and shape (a
+    parameter, an optimizer state), which then stands in for it: loading it copies nothing more, so
+    a resume holds no second model or optimizer state on the device. A DTensor shard is left to
+    torch to fill from the full tensor."""
+    if isinstance(saved, dict):
+        live = live if isinstance(live, dict) else {}
+        return {k: copied_into(live.get(k), v) for k, v in saved.items()}
+    fits = isinstance(live, torch.Tensor) and not isinstance(live, DTensor) and isinstance(saved, torch.Tensor)
+    if fits and live.shape == saved.shape:
+        with torch.no_grad():
+            return live.copy_(saved)
+    return saved
 
 
 def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
@@ -479,7 +498,8 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
 
     run_dir = ckpt.run_dir
     ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
-    if cfg.resume and (path := ckpt.restore(device, same_model)):
+    # Read on the CPU, memory-mapped, and copied into the live tensors (apply): no copy on the device.
+    if cfg.resume and (path := ckpt.restore(torch.device("cpu"), same_model)):
         log(f"resumed from {path} at step {state.step}")
         optimizers = ckpt.states["optimizer"].optimizers
         reapply_settings(optimizers, cfg, ckpt.meta["model_config"]["dim"], ckpt.meta["model_config"]["tie_embeddings"])

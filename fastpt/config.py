@@ -196,6 +196,7 @@ class TrainConfig:
     kernels: str = setting("auto", "auto: Triton on CUDA, PyTorch elsewhere", choices=("auto", "triton", "torch"))
     device: str = setting("", "'' = cuda if available, else cpu", choices=("", "cpu", "cuda"))
     parallel: str = setting("ddp", "data parallelism under torchrun", choices=("ddp", "fsdp"))
+    fsdp_reshard_grads: bool = setting(False, "FSDP: reduce-scatter every micro-step (no unsharded gradients kept)")
     profile: str = setting("", "record torch.profiler traces of steps START:END (e.g. 3:5) into OUT/profile; '' = off")
     # bookkeeping
     log_every: int = setting(10, "steps between dashboard lines / metrics records", domain=POSITIVE)

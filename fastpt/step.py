@@ -42,7 +42,8 @@ def train_step(
     net: Net, loader: TrainLoader, cfg: TrainConfig, d: distributed.Dist = distributed.ONE_PROCESS
 ) -> StepResult:
     """One optimizer step: grad_accum micro-batches, each loss / grad_accum so the accumulated
-    gradient averages like one large batch (DDP / FSDP sync only on the last), then unscale (fp16),
+    gradient averages like one large batch (DDP / FSDP sync only on the last; FSDP on every one with
+    --fsdp-reshard-grads, keeping only sharded gradients), then unscale (fp16),
     clip the global norm and step every optimizer. Nothing waits for the host, unless
     --on-nonfinite skip asks whether to apply the update."""
     model, scaler = net.model, net.scaler
@@ -51,7 +52,9 @@ def train_step(
     sums = torch.zeros(2, device=loader.device)  # cross-entropy, z-loss
     for micro_step in range(cfg.grad_accum):
         batch = loader.next()
-        distributed.set_grad_sync(model, micro_step == cfg.grad_accum - 1)
+        distributed.set_grad_sync(
+            model, micro_step == cfg.grad_accum - 1 or (cfg.fsdp_reshard_grads and d.enabled and cfg.parallel == "fsdp")
+        )
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse their buffers; else a no-op
         with net.autocast:
             out = model(batch.x, labels=batch.y)  # loss: (), the fused loss never builds the logits

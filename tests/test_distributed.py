@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, TINY, run_train
+from fastpt import checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +90,14 @@ def runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_two_processes_follow_one_process(runs, layout):
     assert_same_curve(runs[layout], runs["one"])
+
+
+def test_fsdp_reducing_every_micro_step_follows_one_process(runs, tiny_data, tmp_path):
+    """--fsdp-reshard-grads: FSDP reduce-scatters at every micro-step (no unsharded gradients kept
+    across them) and trains as the one-process run does."""
+    assert_same_curve(
+        train(tiny_data, tmp_path / "reshard", 2, "--parallel", "fsdp", "--fsdp-reshard-grads"), runs["one"]
+    )
 
 
 @pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full")])
@@ -319,3 +329,36 @@ def test_a_rank_stopped_mid_step_is_named_within_the_timeout_and_the_restart_res
     assert timeout <= waited < timeout + 15, waited
     assert f"resumed from {out / 'ckpt_00000003.pt'}" in result.stdout and result.stdout.count("resumed from") == 1
     assert curve(out) == curve(runs["ddp"])
+
+
+COPYING_DDP = """
+from torch.nn.parallel import DistributedDataParallel
+
+from fastpt import distributed, train
+from fastpt.errors import run_command
+
+
+class CopyingDDP(DistributedDataParallel):  # DDP as it was: gradients apart from the buckets
+    def __init__(self, *args, gradient_as_bucket_view=True, **kwargs):
+        super().__init__(*args, gradient_as_bucket_view=False, **kwargs)
+
+
+distributed.DDP = CopyingDDP
+run_command(train.main)
+"""
+
+
+def test_ddp_gradients_as_bucket_views_are_bit_identical(runs, tiny_data, tmp_path):
+    """DDP's gradients as views into its buckets (fastpt's default, 4 bytes per parameter less) train
+    bit for bit as DDP that copies them into the buckets: the same losses and the same weights."""
+    script = tmp_path / "copying_ddp.py"
+    script.write_text(COPYING_DDP)
+    out = tmp_path / "copying"
+    args = (*COMMON, "--data", str(tiny_data), "--out", str(out), *TWO_PROCS)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, *torchrun, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert curve(out) == curve(runs["ddp"])
+    copied, viewed = (checkpoint.load(checkpoint.latest(run))["model"] for run in (out, runs["ddp"]))
+    assert copied.keys() == viewed.keys() and all(torch.equal(copied[k], viewed[k]) for k in copied)

@@ -24,11 +24,8 @@ from collections.abc import Iterator
 import torch
 
 from fastpt.plan.memory import Life, MemoryTrace, active_trace
+from fastpt.plan.torch_internals import realize_thresholds
 
-REALIZE_READS = 4  # realize_reads_threshold: read by several ops and itself reading more buffers than this
-REALIZE_ACC_READS = 8  # realize_acc_reads_threshold: reading more buffers than this
-REALIZE_OPS = {"cuda": 30, "cpu": 50}  # realize_opcount_threshold: read by several ops, more ops inlined
-REALIZE_ANY_OPS = 100  # ... more ops than this, whatever its readers
 HEAVY_OPS = {"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"}  # on a CPU, stored when read by several
 FUSED_PRODUCERS = {"full", "scalar_tensor", "iota", "gather", "cat"}  # computed inside their readers too
 EXTERN_WITH_OUT = {"mm", "addmm", "bmm", "baddbmm"}  # extern kernels writing into buffers Inductor allocates
@@ -80,6 +77,7 @@ class Lowering:
     """What Inductor's code for one partitioned graph allocates, decided from the graph alone."""
 
     def __init__(self, gm: torch.fx.GraphModule, target: str, backward: bool):
+        self.thresholds = realize_thresholds(target)
         self.fused: set[torch.fx.Node] = set()
         self.inplace: dict[torch.fx.Node, torch.fx.Node] = {}  # output -> the input it overwrites
         self.reads: dict[torch.fx.Node, set] = {}
@@ -103,11 +101,12 @@ class Lowering:
                     self.inplace[node] = victim
 
     def _inlined(self, node: torch.fx.Node, ops: int, heavy: bool, target: str) -> bool:
+        """Inductor's realize rules (ir.py's should_realize_on_reuse, has_exceeded_max_reads) with
+        its config's thresholds for the target (torch_internals.realize_thresholds)."""
         reads = len(self.reads[node])
-        reused = len(node.users) > 1 and (
-            (target == "cpu" and heavy) or ops > REALIZE_OPS[target] or reads > REALIZE_READS
-        )
-        too_big = reads > REALIZE_ACC_READS or ops > REALIZE_ANY_OPS
+        max_reads, max_acc_reads, max_ops = self.thresholds
+        reused = len(node.users) > 1 and ((target == "cpu" and heavy) or ops > max_ops or reads > max_reads)
+        too_big = reads > max_acc_reads or ops > max_ops
         return bool(node.users) and all(is_kernel(r) for r in readers(node)) and not reused and not too_big
 
     def _overwritable(self, node: torch.fx.Node, order: dict, backward: bool) -> torch.fx.Node | None:

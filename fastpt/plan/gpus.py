@@ -28,38 +28,77 @@ GPUS = {
 # the cuBLAS / cuDNN handles and their libraries' modules: 0.3-0.6 GiB on recent drivers. An
 # estimate until bench/gpu.sh measures it (nvidia-smi's used memory less torch's reserved).
 CUDA_CONTEXT = GIB // 2
-CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default cuBLAS workspace on Hopper, allocated through torch
+# cuBLAS keeps a workspace per (handle, stream), allocated through torch's caching allocator at a
+# thread's first matmul and held for the process. PyTorch's handle pool gives each thread its own
+# handle, and a backward runs on autograd's device thread, not the forward's: a training step holds
+# two workspaces, and a cuBLASLt workspace per handle (TORCH_CUBLASLT_WORKSPACE_SIZE, 1 MiB).
+CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
+CUBLAS_WORKSPACE_BEFORE_HOPPER = 8 * MIB + 128 * 2**10  # Ampere, Ada (:4096:2:16:8)
+CUBLASLT_WORKSPACE = MIB
+BEFORE_HOPPER = {"a100-40", "a100-80", "l4", "4090"}
 
 
 @dataclass
 class Card:
     name: str
     total: int  # bytes
+    free: int | None = None  # this machine's own GPU: what was free on it when asked (others' use aside)
 
     def __str__(self) -> str:
+        if self.free is not None:
+            return f"{self.name} ({self.free / GIB:.1f} GiB free of {self.total / GIB:.1f} GiB)"
         return (
             f"{self.name} of {self.total / GIB:.1f} GiB"
             if self.name == "a card"
             else f"{self.name} ({self.total / GIB:.1f} GiB)"
         )
 
+    @property
+    def usable(self) -> int:
+        """What a run may fill: the whole card, or on this machine's own GPU what is free plus this
+        process's CUDA context, which it holds already (asking made it) and which a plan's need counts."""
+        return self.total if self.free is None else self.free + CUDA_CONTEXT
+
 
 def card(spec: str) -> Card | None:
     """--plan-gpu: a known card, 'NGiB' (or G, or a bare number of GiB), 'NGB' (10^9 bytes, as a
     spec sheet's '48 GB'), or '' for this machine's GPU (None without one)."""
     if not spec:
-        if not torch.cuda.is_available():
-            return None
-        return Card(torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1])
+        return own_card()
     if spec.lower() in GPUS:
         name, mib = GPUS[spec.lower()]
         return Card(name, mib * MIB)
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gib|g|gb)?", spec.strip().lower()):
-        return Card("a card", int(float(m[1]) * (10**9 if m[2] == "gb" else GIB)))
+        size = int(float(m[1]) * (10**9 if m[2] == "gb" else GIB))
+        if size <= CUDA_CONTEXT:
+            raise ConfigError(
+                f"'plan_gpu' = {spec!r} holds no more than the CUDA context ({CUDA_CONTEXT / GIB:.1f} GiB): "
+                "give the card's memory, such as 24GiB"
+            )
+        return Card("a card", size)
     raise ConfigError(
         f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB"
         + suggest(spec.strip().lower(), GPUS)
     )
+
+
+def cublas_workspaces(spec: str) -> list[int]:
+    """The cuBLAS and cuBLASLt workspaces of a training step (the forward's thread and the
+    backward's) on the card --plan-gpu names; Hopper's, the larger, where it names none known."""
+    each = CUBLAS_WORKSPACE_BEFORE_HOPPER if spec.lower() in BEFORE_HOPPER else CUBLAS_WORKSPACE
+    return [each, each, CUBLASLT_WORKSPACE, CUBLASLT_WORKSPACE]
+
+
+def own_card() -> Card | None:
+    """This process's GPU (LOCAL_RANK's under torchrun; None without one), made its device before
+    anything asks it: asking makes a CUDA context, which must not be on GPU 0 for every rank. Its
+    free memory is what the plan must fit: other processes may hold some."""
+    if not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return Card(f"{torch.cuda.get_device_name(index)} cuda:{index}", total, free)
 
 
 # ---- what a CUDA kernel allocates inside, beyond its outputs

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+from fastpt.plan import torch_internals
 
 ALIVE = math.inf
 MIN_BLOCK = 512  # the caching allocator's rounding
@@ -109,7 +110,8 @@ class MemoryTrace(TorchDispatchMode):
         )
         # DTensor works out each new op's output shape by running it on global-shape fake tensors,
         # inside this context manager of its own (a no-op by default): those are not memory.
-        self._propagation, ShardingPropagator._fake_mode_lock = ShardingPropagator._fake_mode_lock, _Paused(self)
+        self._propagation = torch_internals.sharding_propagation_lock()
+        torch_internals.set_sharding_propagation_lock(_Paused(self))
         # FSDP frees and refills its unsharded parameters' storages with resize_, which no mode sees.
         resize = self._resize = torch.UntypedStorage.resize_
 
@@ -124,7 +126,7 @@ class MemoryTrace(TorchDispatchMode):
     def __exit__(self, *exc) -> None:
         for hook in self._hooks:
             hook.remove()
-        ShardingPropagator._fake_mode_lock = self._propagation
+        torch_internals.set_sharding_propagation_lock(self._propagation)
         torch.UntypedStorage.resize_ = self._resize
         super().__exit__(*exc)
 
@@ -183,7 +185,7 @@ class MemoryTrace(TorchDispatchMode):
     def _current_phase(self) -> str:
         if self._in_optimizer:
             return "optimizer"
-        if torch._C._current_graph_task_id() != -1:
+        if torch_internals.in_backward():
             if self._phase != "backward":
                 self.backward_starts.append(self.event)
             self._phase = "backward"
@@ -267,9 +269,7 @@ class _Paused:
 
 def active_trace() -> MemoryTrace | None:
     """The MemoryTrace recording now (the innermost), if any."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    return next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, MemoryTrace)), None)
+    return next((m for m in reversed(torch_internals.dispatch_mode_stack()) if isinstance(m, MemoryTrace)), None)
 
 
 @dataclass

@@ -13,7 +13,7 @@ tensors with a GPU run's choices and corrects for what differs, explicitly:
   scratch that a kernel allocates inside (gpus.scratch_table) is added while its op runs;
 - attention: the CPU's flash kernel saves what CUDA's does (q, k, v, out, an fp32 logsumexp); the
   CUDA flash backward's accumulators are added as its scratch;
-- sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspace;
+- sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspaces;
 - autocast: CPU and CUDA cast the ops of fastpt's forward alike (matmuls and attention to the
   autocast dtype on both; the norms and the loss upcast their inputs themselves), so nothing to do.
 Compiled runs: plan.compiled (Inductor's partitioner, its lowering's memory rules).
@@ -25,8 +25,10 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +37,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
 
 from fastpt import distributed, kernels
 from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, check_runtime, load_toml, resolve
@@ -44,13 +45,30 @@ from fastpt.data.loader import Batch
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_atomic
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
+from fastpt.plan import torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
-from fastpt.plan.gpus import CUBLAS_WORKSPACE, CUDA_CONTEXT, GIB, Card, card, machine_card, scratch_table
+from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, card, cublas_workspaces, machine_card, scratch_table
 from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
+from fastpt.plan.torch_internals import fsdp_params
 from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
 from fastpt.step import build_model, train_step
 
-FIT_MARGIN = 0.05  # --micro-batch auto leaves this fraction of the card free
+# --micro-batch auto leaves a fraction of the card free (fit_margin): the plan's error band
+# (PLAN_ERROR, the most a checked config was planned below its measured peak: eager 1.4%, compiled
+# 9-10% on an H200, tests/planned_peaks.json's "measured"), plus what the CUDA context may take
+# beyond its estimate (CONTEXT_SPREAD: 0.6 GiB at most against 0.5 GiB) on the smallest card fastpt
+# plans for (SMALLEST_CARD), rounded up to a whole percent: 5% eager, 12% compiled.
+PLAN_ERROR = {"eager": 0.03, "compiled": 0.10}
+CONTEXT_SPREAD = 0.1 * GIB
+SMALLEST_CARD = 8 * GIB
+
+
+def fit_margin(compiled: bool) -> float:
+    """The fraction of the card --micro-batch auto leaves free (the comment above)."""
+    return math.ceil(100 * (PLAN_ERROR["compiled" if compiled else "eager"] + CONTEXT_SPREAD / SMALLEST_CARD)) / 100
+
+
+FIT_MARGIN = fit_margin(compiled=False)
 
 
 # ---- the run, built over fake tensors
@@ -89,10 +107,7 @@ def fake_world(world_size: int) -> Iterator[distributed.Dist]:
     if world_size == 1:
         yield distributed.ONE_PROCESS
         return
-    import torch.distributed._tools.fake_collectives  # noqa: F401  (c10d collectives on fake tensors)
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=torch_internals.fake_store(), rank=0, world_size=world_size)
     try:
         yield distributed.Dist(0, 0, world_size)
     finally:
@@ -142,19 +157,22 @@ class Plan:
         return self.peak.reserved + CUDA_CONTEXT if self.target == "cuda" else self.peak.bytes
 
     def fits(self, margin: float = 0.0) -> bool | None:
-        return None if self.card is None else self.card_bytes <= self.card.total * (1 - margin)
+        return None if self.card is None else self.card_bytes <= self.card.usable * (1 - margin)
 
 
 @contextlib.contextmanager
-def fake_run(target: str, world_size: int = 1, compile: bool = False) -> Iterator[tuple[distributed.Dist, MemoryTrace]]:
+def fake_run(
+    target: str, world_size: int = 1, compile: bool = False, gpu: str = ""
+) -> Iterator[tuple[distributed.Dist, MemoryTrace]]:
     """Where a planned step is built and run: fake tensors (no byte allocated), fastpt's Triton ops
     traced through their fakes, a fake process group for rank 0 of world_size, torch.compile's
     caches off; the garbage collector off, so storages die when their last reference goes, as on a
-    GPU. Yields the process and an empty trace with the target's allocator rounding and scratch."""
+    GPU. Yields the process and an empty trace with the target's allocator rounding and scratch,
+    and on CUDA the cuBLAS workspaces of the card `gpu` (--plan-gpu) names."""
     cuda = target == "cuda"
     mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, FSDP_LABELS)
-    if cuda:  # allocated through torch's allocator at the first matmul, kept for the process
-        mem.lives.append(Life(CUBLAS_WORKSPACE, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
+    for nbytes in cublas_workspaces(gpu) if cuda else ():  # through torch's allocator, kept for the process
+        mem.lives.append(Life(nbytes, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
     gc.collect()
     gc.disable()
     try:
@@ -196,7 +214,7 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
     seq_len = cfg.seq_len or mcfg.max_seq_len
     micro_steps = step_config(cfg).grad_accum
     ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
-    with fake_run(target, 1 if ddp else world_size, cfg.compile) as (d, mem):
+    with fake_run(target, 1 if ddp else world_size, cfg.compile, cfg.plan_gpu) as (d, mem):
         net = build_model(as_planned(cfg, target), mcfg, torch.device("cpu"), d)
         recompile_for_plan(net.raw, target)
         if ddp:
@@ -205,6 +223,8 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
         step = lambda: train_step(net, loader, step_config(cfg), d)
         trace_steps(mem, step, net.raw, net.optimizers)
         params = net.raw.num_params()
+    for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
+        life.nbytes = 0 if life.kind == "gradients" else life.nbytes
     peak = peak_of(mem, target, micro_steps)
     return Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
 
@@ -214,8 +234,8 @@ DDP_BUCKET_BYTES = (2**20, 25 * 2**20)  # DDP's first bucket, then bucket_cap_mb
 
 def ddp_buckets(model: torch.nn.Module, round_to: Callable[[int], int]) -> list[Life]:
     """The gradient buckets a DDP rank holds for the whole run (the reducer allocates them when DDP is
-    built: each gradient is copied into its bucket for the all-reduce), the parameters in reverse
-    order, as DDP fills them."""
+    built; with gradient_as_bucket_view, fastpt's, the gradients are views into them, so trace drops
+    their own storages), the parameters in reverse order, as DDP fills them."""
     buckets, size = [], 0
     for p in reversed([p for p in model.parameters() if p.requires_grad]):
         size += p.numel() * p.element_size()
@@ -226,19 +246,12 @@ def ddp_buckets(model: torch.nn.Module, round_to: Callable[[int], int]) -> list[
     return [Life(round_to(n), 0, "DDP gradient bucket", (n,), "before", kind="DDP gradient buckets") for n in buckets]
 
 
-def fsdp_params(model: torch.nn.Module) -> Iterator:
-    """FSDP2's records of every sharded parameter (its private FSDPParam objects); none without FSDP."""
-    for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
-        yield from group.fsdp_params if group else ()
-
-
 def gathered(args: tuple, kwargs: dict, out: object) -> list:
     """FSDP2 copies each all-gathered parameter out of the flat buffer into these."""
     return [(t, "all-gathered parameters") for t in kwargs["out"]]
 
 
-FSDP_LABELS = {torch.ops.fsdp.split_with_sizes_copy.default: gathered}
+FSDP_LABELS = {torch_internals.fsdp_split_copy(): gathered}
 
 
 def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:
@@ -269,6 +282,30 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 
 
+def command_seconds() -> float | None:
+    """Seconds since this process started (Linux: /proc), imports and every plan included."""
+    try:
+        start_ticks = float(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+    return time.time() - boot - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def unmodelled(plan: Plan) -> str:
+    """The warning line for what this run holds beyond the plan's model ('' when nothing applies)."""
+    cfg, what = plan.cfg, []
+    if plan.target == "cuda" and cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        what.append(f"the CUDA graphs' memory pools ({cfg.compile_mode})")
+    if plan.target == "cuda" and plan.world_size > 1:
+        what.append("NCCL's buffers")
+        if cfg.parallel == "fsdp":
+            what.append("the caching allocator's separate pools of FSDP's all-gather and reduce-scatter streams")
+    if not what:
+        return ""
+    return f"fastpt: warning: the plan does not model {', '.join(what)}: leave room beyond it"
+
+
 def describe(plan: Plan) -> list[str]:
     """The plan as it prints: the run, the peak and its parts, what the card needs, the verdict."""
     cfg, cuda, peak = plan.cfg, plan.target == "cuda", plan.peak
@@ -296,10 +333,11 @@ def describe(plan: Plan) -> list[str]:
             f"(its segments, replayed) + {gib(CUDA_CONTEXT)} CUDA context (an estimate)"
         )
     if plan.card is not None:
-        spare = plan.card.total - plan.card_bytes
+        spare = plan.card.usable - plan.card_bytes
         verdict = "fits" if spare >= 0 else "does NOT fit"
         lines.append(f"{verdict} {plan.card}: {gib(abs(spare))} {'to spare' if spare >= 0 else 'short'}")
-    lines.append(f"planned in {plan.seconds:.1f} s")
+    took = command_seconds()
+    lines.append(f"planned in {plan.seconds:.1f} s" + (f" (the whole command so far: {took:.1f} s)" if took else ""))
     return lines
 
 
@@ -329,6 +367,8 @@ def to_json(plan: Plan) -> dict:
         )
     if plan.card is not None:
         out.update(gpu=plan.card.name, gpu_gib=plan.card.total / GIB, fits=plan.fits())
+        if plan.card.free is not None:
+            out.update(gpu_free_gib=plan.card.free / GIB)
     return out
 
 
@@ -345,41 +385,97 @@ def config_sequences(cfg: TrainConfig) -> int:
 
 
 def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
-    """The largest micro-batch whose plan fits the card with FIT_MARGIN free, grad_accum adjusted to
-    keep the config's sequences per step (or the nearest above); the plan at it, and what it chose.
-    The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first guess,
-    then the number of micro-steps moves by one until the fit is tight."""
+    """The largest micro-batch whose plan fits the card with fit_margin free that divides the
+    config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
+    under half the largest that fits, that one with the nearest above; the plan at it, and what it
+    chose. The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first
+    guess, then the number of micro-steps moves by one until the fit is tight."""
     if gpu is None:
         raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
     sequences = config_sequences(cfg)
     plans: dict[int, Plan] = {}
 
-    def plan_at(accum: int) -> Plan:  # the plan with `accum` micro-steps
-        if accum not in plans:
-            micro = -(-sequences // accum)
-            plans[accum] = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
-            plans[accum].card = gpu
-        return plans[accum]
+    def plan_at(micro: int) -> Plan:  # the plan at `micro`, with the fewest micro-steps that hold the sequences
+        if micro not in plans:
+            accum = -(-sequences // micro)
+            plans[micro] = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
+            plans[micro].card = gpu
+        return plans[micro]
 
-    one = plan_at(sequences)
-    if not one.fits(FIT_MARGIN):
+    margin = fit_margin(cfg.compile)
+    fits = lambda micro: plan_at(micro).fits(margin)
+    one = plan_at(1)
+    if not fits(1):
         raise ConfigError(
             f"'micro_batch' = 'auto': even micro-batch 1 does not fit {gpu} ({gib(one.card_bytes)} planned, "
             f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
         )
-    accum = guess_accum(one, plan_at(-(-sequences // min(sequences, 4))), sequences, gpu.total * (1 - FIT_MARGIN))
-    while accum < sequences and not plan_at(accum).fits(FIT_MARGIN):
-        accum += 1
-    while accum > 1 and plan_at(accum).fits(FIT_MARGIN) and plan_at(accum - 1).fits(FIT_MARGIN):
-        accum -= 1
-    best = plan_at(accum)
-    micro = best.cfg.micro_batch
-    exact = "" if micro * accum == sequences else f", the nearest above the config's {sequences}"
-    why = (
-        f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{exact}; the largest that "
-        f"fits {gpu} with {FIT_MARGIN:.0%} free ({gib(best.card_bytes)} planned)"
+    # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
+    candidates = sorted({-(-sequences // accum) for accum in range(1, sequences + 1)})
+    accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
+    i = candidates.index(-(-sequences // accum))
+    while i + 1 < len(candidates) and fits(candidates[i + 1]):
+        i += 1
+    while i > 0 and not fits(candidates[i]):
+        i -= 1
+    largest = candidates[i]
+    micro = exact_micro_batch(largest, sequences)
+    best = plan_at(micro) if fits(micro) else plan_at(largest)
+    return best, chosen_line(best, sequences, largest, world_size)
+
+
+def reshards(cfg: TrainConfig, world_size: int) -> bool | None:
+    """Whether FSDP reduce-scatters at every micro-step (None when the choice does not apply: no
+    FSDP, one rank, or one micro-step)."""
+    return cfg.fsdp_reshard_grads if cfg.parallel == "fsdp" and world_size > 1 and cfg.grad_accum > 1 else None
+
+
+def fit_micro_batch_fsdp(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
+    """fit_micro_batch; under FSDP with accumulation, when keeping the unsharded gradients across
+    micro-steps leaves not even micro-batch 1 fitting, reduce-scattering at every one instead."""
+    try:
+        return fit_micro_batch(cfg, target, world_size, gpu)
+    except ConfigError:
+        accumulates = config_sequences(cfg) > 1  # micro-batch 1 takes that many micro-steps
+        if not (cfg.parallel == "fsdp" and world_size > 1 and accumulates and not cfg.fsdp_reshard_grads):
+            raise
+    plan, why = fit_micro_batch(dataclasses.replace(cfg, fsdp_reshard_grads=True), target, world_size, gpu)
+    return (
+        plan,
+        why + "; with --fsdp-reshard-grads (reduce-scatter every micro-step): the unsharded gradients do not fit",
     )
-    return best, why
+
+
+def other_gradient_sync(plan: Plan) -> list[str]:
+    """Under FSDP with accumulation, the peak with the other gradient sync: a line (else none)."""
+    now = reshards(plan.cfg, plan.world_size)
+    if now is None:
+        return []
+    other = trace(dataclasses.replace(plan.cfg, fsdp_reshard_grads=not now), plan.target, plan.world_size)
+    how = "reduce-scattering at every micro-step (--fsdp-reshard-grads)" if not now else "only at the last micro-step"
+    return [f"{how}: peak {gib(other.peak.bytes)}, the card needs {gib(other.card_bytes)}"]
+
+
+def exact_micro_batch(largest: int, sequences: int) -> int:
+    """The largest divisor of `sequences` up to `largest` (the step keeps its sequences exactly);
+    `largest` itself when that divisor is under half of it (more than twice the micro-steps)."""
+    divisor = max(d for d in range(1, largest + 1) if sequences % d == 0)
+    return divisor if 2 * divisor >= largest else largest
+
+
+def chosen_line(best: Plan, sequences: int, largest: int, world_size: int) -> str:
+    """What --micro-batch auto chose and what set it: the card, or the sequences per step."""
+    micro, accum, gpu = best.cfg.micro_batch, best.cfg.grad_accum, best.card
+    per_rank = f" per rank (global batch {micro * accum * world_size} sequences)" if world_size > 1 else ""
+    line = f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{per_rank}"
+    if micro * accum != sequences:
+        line += f", the nearest above the config's {sequences} (no divisor of it near {largest} fits)"
+    if micro == sequences:
+        spare = gpu.usable - best.card_bytes
+        return line + f"; the sequences per step set the limit, not {gpu} ({gib(spare)} to spare)"
+    which = f"the largest divisor of {sequences} that fits" if micro != largest else "the largest that fits"
+    line += f"; {which} {gpu} with {fit_margin(best.cfg.compile):.0%} free ({gib(best.card_bytes)} planned)"
+    return line + (f"; {largest} fits too, with more sequences per step" if micro != largest else "")
 
 
 def guess_accum(one: Plan, probe: Plan, sequences: int, limit: float) -> int:
@@ -418,12 +514,14 @@ def main(cli: dict, config_file: str | None) -> int:
     gpu = card(cfg.plan_gpu) if target == "cuda" else machine_card()
     why = ""
     if cfg.micro_batch == AUTO:
-        plan, why = fit_micro_batch(cfg, target, cfg.plan_world_size, gpu)
+        plan, why = fit_micro_batch_fsdp(cfg, target, cfg.plan_world_size, gpu)
     else:
         plan = trace(cfg, target, cfg.plan_world_size)
         plan.card = gpu
-    lines = describe(plan) + ([why] if why else [])
+    lines = describe(plan) + ([why] if why else []) + other_gradient_sync(plan)
     print("\n".join(lines), flush=True)
+    if warning := unmodelled(plan):
+        print(warning, file=sys.stderr, flush=True)
     if cfg.plan_json:
         text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
         try:
@@ -440,5 +538,8 @@ def auto_micro_batch(cfg: TrainConfig) -> tuple[TrainConfig, str]:
         return cfg, ""
     gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, why = fit_micro_batch(cfg, cfg.device, world_size, gpu)
-    return dataclasses.replace(cfg, micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum), why
+    plan, why = fit_micro_batch_fsdp(cfg, cfg.device, world_size, gpu)
+    if warning := unmodelled(plan):
+        print(warning, file=sys.stderr, flush=True)
+    chosen = dict(micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum)
+    return dataclasses.replace(cfg, **chosen, fsdp_reshard_grads=plan.cfg.fsdp_reshard_grads), why
