@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / loa
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from fastpt import files
+from fastpt import files, integrity
 from fastpt.errors import CheckpointError, ConfigError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
 from fastpt.model import Transformer
@@ -172,7 +172,7 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
             _write_sharded(path, state, is_main)
         elif is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, lambda f: torch.save(state, f))
+            write_atomic(path, lambda f: integrity.write_zip(f, lambda out: torch.save(state, out)))
         if not is_main:
             return None
         write_atomic(run_dir / "latest", lambda f: f.write(path.name.encode()))
@@ -190,7 +190,8 @@ def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
     dcp.save({k: state[k] for k in TENSOR_KEYS}, checkpoint_id=tmp)
     if is_main:  # dcp.save returns on the coordinator once every rank has written
         rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS}
-        write_atomic(tmp / STATE_FILE, lambda f: torch.save(rest, f))
+        write_atomic(tmp / STATE_FILE, lambda f: integrity.write_zip(f, lambda out: torch.save(rest, out)))
+        integrity.write_manifest(tmp)  # inside the folder before it is renamed: one publish with it
         publish(tmp, path)  # over the same step from an attempt that was resumed, if any
 
 
@@ -255,11 +256,24 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
     return CheckpointError(f"could not read checkpoint {file}: {reason}")
 
 
+def warn_if_unverified(path: Path) -> None:
+    """A checkpoint written before checkpoints carried checksums loads, with one warning once it has."""
+    if integrity.carries_checksums(path):
+        return
+    print(
+        f"fastpt: warning: {path} carries no checksum (written before fastpt wrote them): loaded without "
+        "checking its bytes",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     """The whole state of a file; of a shard directory, all but the model and optimizer
     (`apply` reads those). Nothing in the file runs: see the module's docstring."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
+    integrity.verify(path, STATE_FILE)  # damaged bytes: CheckpointError, before torch reads any of them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all
@@ -367,6 +381,7 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
             if isinstance(e, FastptError):  # a refused file (CheckpointError), a loader that does not fit the data
                 raise type(e)(str(e) if str(path) in str(e) else f"{path}: {e}") from None
             raise CheckpointError(f"could not load the {name} state from {path}: {reason(e)}") from None
+    warn_if_unverified(path)
 
 
 def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
