@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from conftest import assert_one_line_error, read_metrics, run_main, run_train, tiny_args
 from fastpt import checkpoint, export, sample, train
