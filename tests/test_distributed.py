@@ -220,6 +220,8 @@ def forward(self, idx, *args, **kwargs):
         forwards += 1
         if fault == "kill-at-step" and (forwards - 1) // accum + 1 == at:  # mid-step, before its update
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "term-at-step" and forwards == accum * at:  # as a scheduler preempting this rank
+            os.kill(os.getpid(), signal.SIGTERM)
         if fault == "stop-at-step" and (forwards - 1) // accum + 1 == at:  # hangs: alive, never answering
             with open(os.path.join(os.environ["FAULT_LOG"], "stopped"), "w") as f:
                 f.write(repr(time.time()))
@@ -284,6 +286,31 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(
     assert f"resumed from {out / checkpoint_name(layout, 3)}" in result.stdout
     assert curve(out) == curve(runs[layout])  # exactly, step for step
     assert not list(out.glob(".ckpt_*"))  # the half-written checkpoint was cleared by the next save
+
+
+def test_a_rank_preempted_under_torchrun_exits_143_and_the_restart_resumes_exactly(runs, tiny_data, tmp_path):
+    """torchrun --max-restarts 1, rank 1 SIGTERMed in step 4 (DDP): the ranks agree on it at that log
+    step, checkpoint step 4 and exit 143, which torchrun takes for a failure and restarts the group;
+    the restart resumes from step 4 and logs every loss of the uninterrupted run exactly."""
+    script, out = tmp_path / "faulty.py", tmp_path / "run"
+    script.write_text(DIST_FAULT)
+    args = [*COMMON, "--data", str(tiny_data), "--out", str(out), *TWO_PROCS, "--resume"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*torchrun, str(script), "term-at-step", "4", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "preempted: stopped after step 4; continue with --resume (exit 143: SIGTERM)" in result.stdout
+    assert "exitcode: 143" in result.stderr  # torchrun's report of the first attempt's failure
+    assert f"resumed from {out / 'ckpt_00000004.pt'} at step 4" in result.stdout
+    assert result.stdout.count("resumed from") == 1
+    assert curve(out) == curve(runs["ddp"])
 
 
 def checkpoint_name(layout: str, step: int) -> str:
