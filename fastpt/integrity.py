@@ -17,6 +17,7 @@ damage, not forgery: crafted files are refused by the loader (checkpoint.py) ins
 from __future__ import annotations
 
 import re
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -163,9 +164,16 @@ def verify_folder(folder: Path, state_file: str) -> bool:
     return True
 
 
-def carries_checksums(path: Path) -> bool:
-    """Whether a checkpoint that `verify` passed was checked (False: written before checksums)."""
-    return (path / MANIFEST).is_file() if path.is_dir() else stored_crc(path) is not None
+def warn_if_unverified(path: Path) -> None:
+    """One warning for a checkpoint that `verify` passed without checking it (written before checksums)."""
+    if (path / MANIFEST).is_file() if path.is_dir() else stored_crc(path) is not None:
+        return
+    print(
+        f"fastpt: warning: {path} carries no checksum (written before fastpt wrote them): loaded without "
+        "checking its bytes",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def verify(path: Path, state_file: str) -> bool:
