@@ -11,8 +11,10 @@ restores, plus plain values saved beside them (the configs). The step is the `tr
 Model and optimizer state are keyed by parameter name in both kinds, so either resumes in any
 layout and world size: a file is sharded on load, a directory is resharded by DCP.
 
-Loading never runs code from the file: `torch.load(weights_only=True)` for files, a restricted
-unpickler for DCP's metadata and its non-tensor items. A checkpoint holds tensors and plain Python
+Every checkpoint carries checksums (integrity.py: a CRC-32 in a file's zip comment, a manifest in a
+folder), checked before anything is read from it: a flipped bit is a damaged checkpoint, not a
+changed weight. Loading never runs code from the file: `torch.load(weights_only=True)` for files, a
+restricted unpickler for DCP's metadata and its non-tensor items. A checkpoint holds tensors and plain Python
 values only (NumPy's RNG state as a tensor).
 """
 
@@ -50,7 +52,7 @@ from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / loa
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from fastpt import files
+from fastpt import files, integrity
 from fastpt.errors import CheckpointError, ConfigError, FastptError
 from fastpt.files import os_reason, publish, remove, write_atomic
 from fastpt.model import Transformer
@@ -172,7 +174,7 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
             _write_sharded(path, state, is_main)
         elif is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, lambda f: torch.save(state, f))
+            write_file(path, state)
         if not is_main:
             return None
         write_atomic(run_dir / "latest", lambda f: f.write(path.name.encode()))
@@ -183,6 +185,11 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
     return path
 
 
+def write_file(path: Path, state: dict) -> None:
+    """torch.save(state) into `path` atomically, its checksum in the same write."""
+    write_atomic(path, lambda f: integrity.write_zip(f, lambda out: torch.save(state, out)))
+
+
 def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
     """Every rank writes its shards into a hidden directory; the main rank adds the rest of the
     state and renames the directory into place, so a reader sees a whole checkpoint or none."""
@@ -190,7 +197,8 @@ def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
     dcp.save({k: state[k] for k in TENSOR_KEYS}, checkpoint_id=tmp)
     if is_main:  # dcp.save returns on the coordinator once every rank has written
         rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS}
-        write_atomic(tmp / STATE_FILE, lambda f: torch.save(rest, f))
+        write_file(tmp / STATE_FILE, rest)
+        integrity.write_manifest(tmp)  # inside the folder before it is renamed: one publish with it
         publish(tmp, path)  # over the same step from an attempt that was resumed, if any
 
 
@@ -261,6 +269,7 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     file is memory-mapped: its tensors are the file's pages, not a copy in memory."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
+    integrity.verify(path, STATE_FILE)  # damaged bytes: CheckpointError, before torch reads any of them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all
@@ -371,6 +380,7 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
             if isinstance(e, FastptError):  # a refused file (CheckpointError), a loader that does not fit the data
                 raise type(e)(str(e) if str(path) in str(e) else f"{path}: {e}") from None
             raise CheckpointError(f"could not load the {name} state from {path}: {reason(e)}") from None
+    integrity.warn_if_unverified(path)  # a checkpoint written before checksums: loaded, said once
 
 
 def copied_into(live: object, saved: object) -> object:

@@ -138,12 +138,13 @@ def report_lost_ranks(d: Dist):
 
 class Preemption:
     """While entered and armed (the loop has started), SIGTERM / SIGINT ask the loop to checkpoint
-    after the current step and exit cleanly; a second Ctrl-C does not wait for a step that takes too
+    after the current step and stop (`signal`: the first one that came, 0 for none; the run then exits
+    128 + it, as a shell reports a process the signal ended); a second Ctrl-C does not wait for a step that takes too
     long (the last checkpoint stands). Before the loop, with nothing to save, a signal does what it
     did before. On exit the handlers found on entry are back, so an in-process caller keeps its own."""
 
     def __init__(self):
-        self.requested = False
+        self.signal = 0
         self.armed = False
         self.previous: dict[int, object] = {}
 
@@ -165,9 +166,9 @@ class Preemption:
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
             return
-        if self.requested and signum == signal.SIGINT:
+        if self.signal and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        self.signal = self.signal or signum
 
 
 def teardown(d: Dist) -> None:
@@ -257,13 +258,13 @@ def all_reduce_mean(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
-def any_rank(flag: bool, d: Dist) -> bool:
-    """True on every rank if it is True on any rank."""
+def max_rank(value: int, d: Dist) -> int:
+    """The largest of every rank's `value`, on every rank."""
     if not d.enabled:
-        return flag
-    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        return value
+    t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
 
 
 def barrier(d: Dist) -> None:

@@ -10,6 +10,7 @@ checkpointed state (checkpoint.build_checkpointer), the run folder (metrics.writ
 
 from __future__ import annotations
 
+import signal
 import sys
 from contextlib import ExitStack, closing
 from pathlib import Path
@@ -51,6 +52,18 @@ def too_many_skips(state: TrainState, max_skips: int, log) -> bool:
         file=sys.stderr,
     )
     return True
+
+
+def preempted_exit(signum: int, step: int, saved: bool, log) -> int:
+    """The exit code of a run stopped by SIGTERM / Ctrl-C after `step`: 128 + the signal (143, 130),
+    as a shell reports a process the signal ended, once its checkpoint is safe, so `train && export`
+    and torchrun's restart policy see an unfinished run; 1 when that checkpoint failed (said above)."""
+    name = signal.Signals(signum).name
+    if not saved:
+        log(f"preempted: stopped after step {step} by {name}, its checkpoint failed; exit 1", file=sys.stderr)
+        return 1
+    log(f"preempted: stopped after step {step}; continue with --resume (exit {128 + signum}: {name})")
+    return 128 + signum
 
 
 # ---- the loop
@@ -96,10 +109,10 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
                 return 1
 
             is_last = state.step == cfg.max_steps
-            # Under torchrun the ranks agree at log steps only: the vote is a collective.
-            preempted = (not d.enabled or state.step % cfg.log_every == 0) and distributed.any_rank(
-                preemption.requested, d
-            )
+            # Under torchrun the ranks agree at log steps only: the vote is a collective. `preempted` is
+            # the signal that stopped any rank (SIGTERM over SIGINT), 0 for none; a run at its last step is done.
+            vote = not is_last and (not d.enabled or state.step % cfg.log_every == 0)
+            preempted = vote and distributed.max_rank(preemption.signal, d)
             log_now, eval_now = state.step % cfg.log_every == 0 or is_last, state.step % cfg.eval_every == 0 or is_last
             ckpt_now = state.step % cfg.ckpt_every == 0 or is_last or preempted
             # The stop-mode flag is read only here, so nothing is logged, evaluated or saved from bad weights.
@@ -126,8 +139,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
                 if ckpt_now and not save_checkpoint(ckpt, state.step, log) and (is_last or preempted):
                     exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
             if preempted:
-                log(f"preempted: stopped after step {state.step}; continue with --resume")
-                break
+                return preempted_exit(preempted, state.step, saved=not exit_code, log=log)
         return exit_code
 
 

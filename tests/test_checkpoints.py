@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from conftest import assert_one_line_error, read_metrics, run_main, run_train, tiny_args
 from fastpt import checkpoint, export, sample, train
@@ -104,11 +103,11 @@ def test_a_checkpoint_holding_a_numpy_array_is_refused_naming_it(reference, tiny
 
 
 def as_dcp_folder(ckpt: dict, path: Path) -> None:
-    """The checkpoint as an FSDP run writes it: model and optimizer as DCP shards, the rest in state.pt."""
+    """The checkpoint as an FSDP run writes it (checkpoint's own writer): model and optimizer as DCP
+    shards, the rest in state.pt, and the folder's checksums."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP in one process, no process group: intended here
-        dcp.save({k: ckpt[k] for k in checkpoint.TENSOR_KEYS}, checkpoint_id=path)
-    torch.save({k: v for k, v in ckpt.items() if k not in checkpoint.TENSOR_KEYS}, path / checkpoint.STATE_FILE)
+        checkpoint._write_sharded(path, ckpt, is_main=True)
 
 
 def test_a_dcp_folder_resumes_through_the_safe_reader(reference, tiny_data, tmp_path, capsys):

@@ -230,6 +230,8 @@ def forward(self, idx, *args, **kwargs):
         forwards += 1
         if fault == "kill-at-step" and (forwards - 1) // accum + 1 == at:  # mid-step, before its update
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "term-at-step" and forwards == accum * at:  # as a scheduler preempting this rank
+            os.kill(os.getpid(), signal.SIGTERM)
         if fault == "stop-at-step" and (forwards - 1) // accum + 1 == at:  # hangs: alive, never answering
             with open(os.path.join(os.environ["FAULT_LOG"], "stopped"), "w") as f:
                 f.write(repr(time.time()))
@@ -296,6 +298,39 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(
     assert not list(out.glob(".ckpt_*"))  # the half-written checkpoint was cleared by the next save
 
 
+def restarted_ddp_run(
+    tmp_path: Path, fault: str, at: int, args: list[str], env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """DIST_FAULT's `fault` at step `at` of a two-process DDP run under torchrun --max-restarts 1
+    with --resume, which must end well (exit 0) after the restart."""
+    script = tmp_path / "faulty.py"
+    script.write_text(DIST_FAULT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    result = subprocess.run(
+        [*torchrun, str(script), fault, str(at), *args, *TWO_PROCS, "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def test_a_rank_preempted_under_torchrun_exits_143_and_the_restart_resumes_exactly(runs, tiny_data, tmp_path):
+    """torchrun --max-restarts 1, rank 1 SIGTERMed in step 4 (DDP): the ranks agree on it at that log
+    step, checkpoint step 4 and exit 143, which torchrun takes for a failure and restarts the group;
+    the restart resumes from step 4 and logs every loss of the uninterrupted run exactly."""
+    out = tmp_path / "run"
+    result = restarted_ddp_run(tmp_path, "term-at-step", 4, [*COMMON, "--data", str(tiny_data), "--out", str(out)])
+    assert "preempted: stopped after step 4; continue with --resume (exit 143: SIGTERM)" in result.stdout
+    assert "exitcode: 143" in result.stderr  # torchrun's report of the first attempt's failure
+    assert f"resumed from {out / 'ckpt_00000004.pt'} at step 4" in result.stdout
+    assert result.stdout.count("resumed from") == 1
+    assert curve(out) == curve(runs["ddp"])
+
+
 def checkpoint_name(layout: str, step: int) -> str:
     return f"ckpt_{step:08d}" + (".pt" if layout == "ddp" else "")
 
@@ -305,22 +340,10 @@ def test_a_rank_stopped_mid_step_is_named_within_the_timeout_and_the_restart_res
     nothing and never ends by itself. The survivor's collective times out, it names rank 1 as stopped in
     one line and kills it, so the restart begins within seconds of the timeout (not after torchrun's own
     30 s shutdown wait), resumes from step 3 and logs every loss of the uninterrupted run exactly."""
-    script, out, log = tmp_path / "faulty.py", tmp_path / "run", tmp_path / "log"
-    script.write_text(DIST_FAULT)
+    out, log, timeout = tmp_path / "run", tmp_path / "log", 20
     log.mkdir()
-    args = [*COMMON, "--data", str(tiny_data), "--out", str(out), *TWO_PROCS, "--resume"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
-    timeout = 20
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTPT_COLLECTIVE_TIMEOUT": str(timeout), "FAULT_LOG": str(log)}
-    result = subprocess.run(
-        [*torchrun, str(script), "stop-at-step", "5", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    env = {"FASTPT_COLLECTIVE_TIMEOUT": str(timeout), "FAULT_LOG": str(log)}
+    result = restarted_ddp_run(tmp_path, "stop-at-step", 5, [*COMMON, "--data", str(tiny_data), "--out", str(out)], env)
     said = [line for line in result.stderr.splitlines() if line.startswith("fastpt: error: rank 0: rank 1 (pid")]
     assert len(said) == 1, result.stderr[-4000:]
     assert " is stopped (SIGSTOP, or frozen) and was killed; a collective failed" in said[0]
