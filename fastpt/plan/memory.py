@@ -27,8 +27,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -103,6 +101,9 @@ class MemoryTrace(TorchDispatchMode):
         return True  # off while torch.compile traces, on while its graphs run
 
     def __enter__(self) -> MemoryTrace:
+        # torch.distributed.tensor is imported here, not at the top: ~1 s of fastpt.train's start-up.
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         self._hooks = (
             register_optimizer_step_pre_hook(lambda *_: setattr(self, "_in_optimizer", True)),
             register_optimizer_step_post_hook(lambda *_: setattr(self, "_in_optimizer", False)),
@@ -122,6 +123,8 @@ class MemoryTrace(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
         for hook in self._hooks:
             hook.remove()
         ShardingPropagator._fake_mode_lock = self._propagation
@@ -157,6 +160,8 @@ class MemoryTrace(TorchDispatchMode):
         self.steps.append(self.event)
 
     def _lives_of(self, t: torch.Tensor, phase: str, op: str, create: bool) -> list[Life]:
+        from torch.distributed.tensor import DTensor
+
         t = t.to_local() if isinstance(t, DTensor) else t
         lives = []
         for st in storages(t):
@@ -192,6 +197,8 @@ class MemoryTrace(TorchDispatchMode):
         return self._phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which are the real allocations
         if func is torch.ops._c10d_functional.wait_tensor.default:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
 import json
 import os
 import re
@@ -35,7 +36,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import FSDPModule
 
 from fastpt import distributed, kernels
 from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, check_runtime, load_toml, resolve
@@ -152,7 +152,7 @@ def fake_run(target: str, world_size: int = 1, compile: bool = False) -> Iterato
     caches off; the garbage collector off, so storages die when their last reference goes, as on a
     GPU. Yields the process and an empty trace with the target's allocator rounding and scratch."""
     cuda = target == "cuda"
-    mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, FSDP_LABELS)
+    mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, fsdp_labels(world_size))
     if cuda:  # allocated through torch's allocator at the first matmul, kept for the process
         mem.lives.append(Life(CUBLAS_WORKSPACE, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
     gc.collect()
@@ -227,9 +227,10 @@ def ddp_buckets(model: torch.nn.Module, round_to: Callable[[int], int]) -> list[
 
 
 def fsdp_params(model: torch.nn.Module) -> Iterator:
-    """FSDP2's records of every sharded parameter (its private FSDPParam objects); none without FSDP."""
+    """FSDP2's records of every sharded parameter (its private FSDPParam objects); none without FSDP.
+    (An FSDPModule is known by its method: torch.distributed.fsdp is imported only where FSDP runs.)"""
     for module in model.modules():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        group = module._get_fsdp_state()._fsdp_param_group if hasattr(module, "_get_fsdp_state") else None
         yield from group.fsdp_params if group else ()
 
 
@@ -238,7 +239,13 @@ def gathered(args: tuple, kwargs: dict, out: object) -> list:
     return [(t, "all-gathered parameters") for t in kwargs["out"]]
 
 
-FSDP_LABELS = {torch.ops.fsdp.split_with_sizes_copy.default: gathered}
+def fsdp_labels(world_size: int) -> dict:
+    """What FSDP2's ops tell of their tensors. Its ops exist once torch.distributed.fsdp is imported
+    (~1 s, kept out of fastpt.train's start-up), which a one-process plan never needs."""
+    if world_size == 1:
+        return {}
+    importlib.import_module("torch.distributed.fsdp")  # registers torch.ops.fsdp
+    return {torch.ops.fsdp.split_with_sizes_copy.default: gathered}
 
 
 def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:
