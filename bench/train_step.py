@@ -44,7 +44,6 @@ from bench.common import (
     matmul_tflops,
     rss_gib,
     sync,
-    write_json,
 )
 from fastpt import float8
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig
@@ -53,6 +52,7 @@ from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import write_shard
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
+from fastpt.hf import write_json
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer

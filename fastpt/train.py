@@ -72,6 +72,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
         start_or_resume(cfg, ckpt, device, log)
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
+        write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
         dash = Dashboard.for_run(cfg, net.raw.flops_per_token(seq_len), seq_len, device, d.world_size)
         for line in summary(cfg, data, net.raw.num_params(), dash) + ([chosen] if chosen else []):
@@ -111,8 +112,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
                     state, pace.lap(state.window_steps), lrs, result.grad_norm, data.loader.wait_s, probe.recompiles()
                 )
                 log(dash.line(record, pace.eta(cfg.max_steps - state.step)), flush=True)
-                if metrics:
-                    metrics.log(record)
+                write_record(record)
                 state.new_window()
                 data.loader.wait_s = 0.0
 
@@ -121,8 +121,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
                     record = {"step": state.step, **evaluator.run(net.model, net.autocast, d)}
                     state.best_val_loss = min(state.best_val_loss, record["val_loss"])
                     log(f"Step {state.step:5d}/{cfg.max_steps} | {describe_eval(record)}")
-                    if metrics:
-                        metrics.log(record)
+                    write_record(record)
                 if ckpt_now and not save_checkpoint(ckpt, state.step, log) and (is_last or preempted):
                     exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
             if preempted:

@@ -370,9 +370,14 @@ class Replay:
 
 def sweep(lives: list[Life]) -> tuple[int, int]:
     """The most bytes alive at once, and the first event at which they were (no allocator)."""
-    deltas = sorted([(life.born, life.nbytes) for life in lives] + [(life.died, -life.nbytes) for life in lives])
+    return running_peak([(life.born, life.nbytes) for life in lives] + [(life.died, -life.nbytes) for life in lives])
+
+
+def running_peak(deltas: Iterable[tuple[float, int]]) -> tuple[int, float]:
+    """The highest running total of (time, bytes allocated or, negative, freed) taken in time order
+    (at one time, frees first), and the time it was first reached."""
     live = peak = peak_event = 0
-    for event, delta in deltas:
+    for event, delta in sorted(deltas):
         live += delta
         if live > peak:
             peak, peak_event = live, event
