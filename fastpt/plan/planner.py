@@ -169,9 +169,13 @@ def fake_run(target: str, world_size: int = 1, compile: bool = False) -> Iterato
         gc.enable()
 
 
-def trace_steps(mem: MemoryTrace, step: Callable[[], object], model: torch.nn.Module, optimizers: list) -> None:
-    """Two calls of step() (an optimizer step) in the trace; after each, its gradients and optimizer
-    state named. Two: the second holds the optimizer state that the first creates."""
+def trace_steps(
+    mem: MemoryTrace, step: Callable[[], object], model: torch.nn.Module, optimizers: list, target: str
+) -> None:
+    """Two calls of step() (an optimizer step) in the trace, what the model compiles recompiled for
+    the plan first; after each, its gradients and optimizer state named. Two: the second holds the
+    optimizer state that the first creates."""
+    recompile_for_plan(model, target)
     mem.add(list(model.parameters()) + list(model.buffers()), "parameters")
     # FSDP keeps each parameter's gradient unsharded, in fp32, across the micro-steps that do not sync.
     unsharded = lambda *_: mem.label(
@@ -198,12 +202,11 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
     ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
     with fake_run(target, 1 if ddp else world_size, cfg.compile) as (d, mem):
         net = build_model(as_planned(cfg, target), mcfg, torch.device("cpu"), d)
-        recompile_for_plan(net.raw, target)
         if ddp:
             mem.lives += ddp_buckets(net.raw, mem.round_to)
         loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
         step = lambda: train_step(net, loader, step_config(cfg), d)
-        trace_steps(mem, step, net.raw, net.optimizers)
+        trace_steps(mem, step, net.raw, net.optimizers, target)
         params = net.raw.num_params()
     peak = peak_of(mem, target, micro_steps)
     return Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
