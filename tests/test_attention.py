@@ -239,6 +239,7 @@ def test_activation_checkpointing_recomputes_the_same_document_attention():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow  # ~30 s of Triton's interpreter; the fast twins: test_kernels.py's trained losses, and above
 def test_document_attention_trains_alike_on_the_triton_kernels(tiny_data, tmp_path, capsys):
     """--kernels triton (RMSNorm and the fused loss through Triton's interpreter on this CPU, in a
     process of its own: triton.jit reads TRITON_INTERPRET at import) beside the document mask: the
