@@ -16,8 +16,8 @@ COMMANDS = {
 }
 
 
-def main() -> int:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] and argv[0] in COMMANDS:
         return importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
     from bench.train_step import main as train_step_main

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import platform
 import subprocess
@@ -128,9 +127,3 @@ def fmt(value, spec: str = ".3g") -> str:
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def write_json(path: str | Path, obj: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -90,7 +90,7 @@ run scale 100 "$py" -m bench --preset 0.35b --modes compiled+kernels,compiled+ke
     --steps 10 --mode-timeout 90 --time-budget {limit} --json "$out/scale.json"
 run float8 90 "$py" -m bench --preset 1b --modes compiled+kernels,compiled+kernels+float8 \
     --steps 10 --mode-timeout 90 --time-budget {limit} --json "$out/float8.json"
-run suites 150 "$py" -m pytest -q -m gpu bench -p no:cacheprovider --benchmark-json "$out/suites.json"
+run suites 150 "$py" -m pytest -q -m gpu bench -p no:cacheprovider --benchmark-enable --benchmark-json "$out/suites.json"
 
 write_summary
 cat "$out/summary.md"

@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.common import REPO, env_info, markdown_table, write_json
+from bench.common import REPO, env_info, markdown_table
 from fastpt import distributed
 from fastpt.cli import parse_args
 from fastpt.config import resolve
+from fastpt.hf import write_json
 from fastpt.plan import planner
+from fastpt.plan.memory import running_peak
 from fastpt.step import build_model, train_step
 
 # CPU runs: the plan against the allocator (tiny shapes, so the real steps run in seconds; the
@@ -69,16 +71,8 @@ def allocator_peak(args: list[str]) -> int:
         gc.enable()
         torch._dynamo.reset()
     cpu = torch._C._autograd.DeviceType.CPU
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == cpu
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    return running_peak((e.start_ns(), e.nbytes()) for e in memory)[0]
 
 
 def planned_peak(args: list[str]) -> int:

@@ -21,9 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO, git_commit, markdown_table, write_json
+from bench.common import REPO, git_commit, markdown_table
 from fastpt.data.sources import documents, find_sources
 from fastpt.data.tokenizer import load_tokenizer
+from fastpt.hf import write_json
 from fastpt.prepare import TOKENIZER_SAMPLE_MB, batches, stdlib_sources
 
 FILE_BYTES = 128 * 2**20  # corpus files of about this much text

@@ -20,8 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, env_info, markdown_table, write_json
+from bench.common import REPO, env_info, markdown_table
 from fastpt import checkpoint
+from fastpt.hf import write_json
 from fastpt.prepare import prepare
 
 

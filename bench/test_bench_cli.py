@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from bench import baseline
-from bench.common import REPO
-from bench.train_step import Setup, losses_agree, parse_mode, run_mode, unavailable
+from bench import baseline, train_step
+from bench.__main__ import main as bench_main
+from bench.train_step import Setup, losses_agree, measure, parse_mode, run_mode, unavailable
 from fastpt.model import Transformer
 from fastpt.presets import ModelConfig
 
@@ -38,13 +37,21 @@ ROW_FIELDS = {
 }
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, cwd=REPO, timeout=600)
+def run_bench(capsys, *args: str) -> tuple[int, str]:
+    """`python -m bench ARGS` in this process (each train-step mode still measured in a process of
+    its own): (exit code, stdout)."""
+    code = bench_main(list(args))
+    return code, capsys.readouterr().out
 
 
-def test_train_step_cli_rows_and_agreeing_losses(tmp_path):
+def test_train_step_cli_rows_and_agreeing_losses(tmp_path, capsys, monkeypatch):
+    # The modes measured in this process: their own processes are test_lever_rows_on_cpu's (and CI's
+    # python -m bench run); one compiled mode's process costs this test a third of its time.
+    here = lambda setup, mode, steps, warmup, timeout: measure(setup, mode, steps, warmup)
+    monkeypatch.setattr(train_step, "measure_isolated", here)
     out = tmp_path / "rows.json"
-    proc = run_bench(
+    code, stdout = run_bench(
+        capsys,
         "--preset",
         "tiny",
         "--device",
@@ -60,9 +67,9 @@ def test_train_step_cli_rows_and_agreeing_losses(tmp_path):
         "--json",
         str(out),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert code == 0, stdout
     result = json.loads(out.read_text())
-    assert result["losses_agree"] and "| eager |" in proc.stdout and "| compiled |" in proc.stdout
+    assert result["losses_agree"] and "| eager |" in stdout and "| compiled |" in stdout
     rows = result["rows"]
     assert [r["mode"] for r in rows] == ["eager", "compiled"]
     for r in rows:
@@ -71,17 +78,17 @@ def test_train_step_cli_rows_and_agreeing_losses(tmp_path):
         assert r["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)
 
 
-def test_kernel_cli_rows(tmp_path):
+def test_kernel_cli_rows(tmp_path, capsys):
     out = tmp_path / "kernels.json"
-    proc = run_bench("kernels", "--device", "cpu", "--providers", "torch,fastpt", "--json", str(out))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    code, stdout = run_bench(capsys, "kernels", "--device", "cpu", "--providers", "torch,fastpt", "--json", str(out))
+    assert code == 0, stdout
     rows = json.loads(out.read_text())["rows"]
     assert {(r["op"], r["provider"]) for r in rows} == {
         (op, p) for op in ("rms_norm", "cross_entropy", "linear_cross_entropy") for p in ("torch", "fastpt")
     }
     assert all(r["ms"] > 0 and r["rel_err"] < 1e-5 and 0 < r["floor_ms"] for r in rows)
-    assert rows[0]["copy_gbps"] > 0 and "| floor ms | % of floor |" in proc.stdout
-    assert "fastpt rows run the PyTorch reference, not the Triton kernels, unless TRITON_INTERPRET=1" in proc.stdout
+    assert rows[0]["copy_gbps"] > 0 and "| floor ms | % of floor |" in stdout
+    assert "fastpt rows run the PyTorch reference, not the Triton kernels, unless TRITON_INTERPRET=1" in stdout
 
 
 def test_modes_parse():
@@ -109,11 +116,13 @@ def test_losses_agree_flags_disagreement_and_errors():
     assert losses_agree(rows + [{"mode": "compiled+float8", "skipped": "needs CUDA"}], 1e-3)
 
 
-def test_lever_rows_on_cpu(tmp_path):
-    """Activation checkpointing measured; the CUDA-only levers skipped with the reason in their row
-    (CUDA graphs also at grad-accum > 1, as the trainer refuses them); a spent --time-budget skips."""
+def test_lever_rows_on_cpu(tmp_path, capsys):
+    """Activation checkpointing measured (in a process of its own, as every mode); the CUDA-only
+    levers skipped with the reason in their row (CUDA graphs also at grad-accum > 1, as the trainer
+    refuses them); a spent --time-budget skips."""
     out = tmp_path / "rows.json"
-    proc = run_bench(
+    code, stdout = run_bench(
+        capsys,
         "--preset",
         "tiny",
         "--device",
@@ -129,12 +138,12 @@ def test_lever_rows_on_cpu(tmp_path):
         "--json",
         str(out),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert code == 0, stdout
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["eager+ac"]["tok_s"] > 0 and rows["eager+ac"]["peak_mem_gib"] >= 0
     assert rows["compiled+cudagraphs"]["skipped"] == "CUDA graphs need a CUDA device"
     assert "'float8' needs a CUDA GPU" in rows["eager+float8"]["skipped"]
-    assert "| compiled+cudagraphs | skipped: CUDA graphs need a CUDA device |" in proc.stdout
+    assert "| compiled+cudagraphs | skipped: CUDA graphs need a CUDA device |" in stdout
     on_gpu = Setup("tiny", "cuda", 8, 2, 256, "bf16", "")
     assert "need --grad-accum 1" in unavailable(parse_mode("compiled+cudagraphs"), on_gpu)
     spent = run_mode(on_gpu, parse_mode("eager"), 1, 1, None, deadline=time.monotonic() + 5)

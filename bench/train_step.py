@@ -44,7 +44,6 @@ from bench.common import (
     matmul_tflops,
     rss_gib,
     sync,
-    write_json,
 )
 from fastpt import float8
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig
@@ -53,11 +52,11 @@ from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import write_shard
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
+from fastpt.hf import write_json
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer
 from fastpt.plan import gpus, planner
-from fastpt.plan.compiled import recompile_for_plan
 from fastpt.presets import model_config
 from fastpt.profiling import compiled_graphs
 from fastpt.step import Net, train_step
@@ -217,15 +216,15 @@ def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 
 def planned_peak(setup: Setup, mode: Mode) -> float | None:
-    """GiB: what fastpt.plan predicts torch.cuda.max_memory_allocated to be for this mode's step on a
-    GPU, the same build traced over fake tensors (None for CUDA graphs, whose pools it does not model)."""
+    """GiB: what fastpt.plan plans torch.cuda.max_memory_allocated to be for this mode's step on a
+    GPU: the bench's own build (the baseline peer too) traced by the planner's fake_run, trace_steps
+    and peak_of (None for CUDA graphs, whose pools it does not model)."""
     if mode.compile_mode in CUDA_GRAPH_MODES:
         return None
     with planner.fake_run("cuda", 1, mode.compile) as (_, mem):
         run = build(dataclasses.replace(setup, device="cpu"), mode, "triton" if mode.kernels else "torch")
         try:
-            recompile_for_plan(run.model, "cuda")
-            planner.trace_steps(mem, run.step, run.model, [run.optimizer])
+            planner.trace_steps(mem, run.step, run.model, [run.optimizer], "cuda")
         finally:
             run.loader.close()
     return planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30

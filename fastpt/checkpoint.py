@@ -21,6 +21,7 @@ values only (NumPy's RNG state as a tensor).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import pickle
 import random
@@ -29,27 +30,12 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.checkpoint.stateful import Stateful  # state_dict() / load_state_dict(), as torchtitan's
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from fastpt import files, integrity
@@ -78,9 +64,24 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # annotations only: the run's pieces are built above this module
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
     from fastpt.config import TrainConfig
     from fastpt.data.dataset import Data
     from fastpt.step import Net, TrainState
+
+# torch.distributed.checkpoint and DTensor are imported where they are used: together they cost
+# ~1.5 s of every command's start-up (python -m fastpt.train --help), and a run first needs them
+# at its first checkpoint.
+
+
+class Stateful(Protocol):
+    """What a checkpoint holds under a name, as torch.distributed.checkpoint's (and torchtitan's)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
 
 NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 STATE_FILE = "state.pt"
@@ -105,6 +106,9 @@ def latest(run_dir: str | Path) -> Path | None:
 
 def _options(state: dict) -> StateDictOptions:
     """Full tensors (a checkpoint file) are sharded on load; DTensor shards (read by DCP) load as they are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.tensor import DTensor
+
     return StateDictOptions(full_state_dict=not any(isinstance(t, DTensor) for t in tree_leaves(state)))
 
 
@@ -116,9 +120,13 @@ class ModelState:
         self.model = model
 
     def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
         set_model_state_dict(self.model, state, options=_options(state))
 
 
@@ -130,9 +138,13 @@ class OptimizerState:
         self.model, self.optimizers = model, list(optimizers)
 
     def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         return get_optimizer_state_dict(self.model, self.optimizers)
 
     def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
         set_optimizer_state_dict(self.model, self.optimizers, state, options=_options(state))
 
 
@@ -165,6 +177,9 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
 
     Sharded state (FSDP DTensors) is a DCP directory written by every rank; full state one file
     written by the main rank. Returns the path on the main rank, None elsewhere."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.tensor import DTensor
+
     run_dir = Path(run_dir)
     sharded = any(isinstance(v, DTensor) for v in state["model"].values())
     path = run_dir / (f"ckpt_{step:08d}" if sharded else f"ckpt_{step:08d}.pt")
@@ -193,6 +208,8 @@ def write_file(path: Path, state: dict) -> None:
 def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
     """Every rank writes its shards into a hidden directory; the main rank adds the rest of the
     state and renames the directory into place, so a reader sees a whole checkpoint or none."""
+    import torch.distributed.checkpoint as dcp
+
     tmp = path.with_name(f".{path.name}.partial")
     dcp.save({k: state[k] for k in TENSOR_KEYS}, checkpoint_id=tmp)
     if is_main:  # dcp.save returns on the coordinator once every rank has written
@@ -285,73 +302,81 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     return ckpt
 
 
-# The classes DCP's .metadata pickle is made of; anything else in it is refused.
-DCP_GLOBALS = {
-    **{
-        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
-        for name in (
-            "Metadata",
-            "MetadataIndex",
-            "StorageMeta",
-            "TensorProperties",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        )
-    },
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    ("pathlib", "PosixPath"): Path,
-}
+@functools.cache
+def _safe_dcp() -> tuple[type, type]:
+    """DCP's reader and load planner, made safe (SafeReader, SafePlanner); defined on first use, as
+    their bases come from torch.distributed.checkpoint."""
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 
+    # The classes DCP's .metadata pickle is made of; anything else in it is refused.
+    DCP_GLOBALS = {
+        **{
+            ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorProperties",
+                "TensorStorageMetadata",
+                "ChunkStorageMetadata",
+                "BytesStorageMetadata",
+                "_MEM_FORMAT_ENCODING",
+            )
+        },
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("pathlib", "PosixPath"): Path,
+    }
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in DCP_GLOBALS:
-            return DCP_GLOBALS[module, name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of a DCP checkpoint's metadata")
+    class _MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if (module, name) in DCP_GLOBALS:
+                return DCP_GLOBALS[module, name]
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not part of a DCP checkpoint's metadata")
 
+    class SafeReader(FileSystemReader):
+        """DCP's reader, its metadata read by _MetadataUnpickler instead of pickle.load."""
 
-class SafeReader(FileSystemReader):
-    """DCP's reader, its metadata read by _MetadataUnpickler instead of pickle.load."""
+        def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+            file = Path(self.path) / ".metadata"
+            try:
+                with open(file, "rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+                if not isinstance(metadata, dcp_metadata.Metadata):
+                    raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
+            except pickle.UnpicklingError as e:
+                raise unpickling_error(file, e) from None
+            except Exception as e:  # damaged bytes: EOFError, IndexError, ...
+                raise CheckpointError(f"could not read checkpoint {file}: {reason(e)}") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = dcp_metadata.StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
-        file = Path(self.path) / ".metadata"
-        try:
-            with open(file, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-            if not isinstance(metadata, dcp_metadata.Metadata):
-                raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
-        except pickle.UnpicklingError as e:
-            raise unpickling_error(file, e) from None
-        except Exception as e:  # damaged bytes: EOFError, IndexError, ...
-            raise CheckpointError(f"could not read checkpoint {file}: {reason(e)}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafePlanner(DefaultLoadPlanner):
+        """DCP's planner, its non-tensor items (optimizer hyperparameters) read with weights_only=True."""
 
+        def __init__(self, path: Path):
+            super().__init__()
+            self.path = path
 
-class SafePlanner(DefaultLoadPlanner):
-    """DCP's planner, its non-tensor items (optimizer hyperparameters) read with weights_only=True."""
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise unpickling_error(self.path / f"item {read_item.dest_index.fqn!r}", e) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
 
-    def __init__(self, path: Path):
-        super().__init__()
-        self.path = path
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise unpickling_error(self.path / f"item {read_item.dest_index.fqn!r}", e) from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+    return SafeReader, SafePlanner
 
 
 def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
@@ -360,6 +385,10 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
     A file carries full tensors, which the model and optimizer shard under FSDP; a directory's
     are read by DCP into each state's own layout, resharded to this world size (or gathered whole
     for a plain or DDP run, or for sampling)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    SafeReader, SafePlanner = _safe_dcp()
     for name, stateful in states.items():
         try:
             if name in TENSOR_KEYS and path.is_dir():
@@ -386,12 +415,12 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
 def copied_into(live: object, saved: object) -> object:
     """`saved` with each tensor copied into the live tensor of the same place and shape (a
     parameter, an optimizer state), which then stands in for it: loading it copies nothing more, so
-    a resume holds no second model or optimizer state on the device. A DTensor shard is left to
+    a resume holds no second model or optimizer state on the device. A DTensor shard (known by full_tensor) is left to
     torch to fill from the full tensor."""
     if isinstance(saved, dict):
         live = live if isinstance(live, dict) else {}
         return {k: copied_into(live.get(k), v) for k, v in saved.items()}
-    fits = isinstance(live, torch.Tensor) and not isinstance(live, DTensor) and isinstance(saved, torch.Tensor)
+    fits = isinstance(live, torch.Tensor) and not hasattr(live, "full_tensor") and isinstance(saved, torch.Tensor)
     if fits and live.shape == saved.shape:
         with torch.no_grad():
             return live.copy_(saved)

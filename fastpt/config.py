@@ -9,6 +9,7 @@ ModelConfig < the shape keys given.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import typing
@@ -405,12 +406,6 @@ def recipe_values(name: str) -> dict[str, Any]:
 def to_toml(cfg: TrainConfig) -> str:
     """The config as TOML (flat keys; unset shape keys left out), loadable again with --config."""
 
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        return repr(v)
-
+    fmt = lambda v: json.dumps(v) if isinstance(v, bool | str) else repr(v)  # TOML's true and "..." are JSON's
     comment = f"# recipe {cfg.recipe}: {describe(cfg.recipe)}; the keys below are the resolved values\n"
     return comment + "".join(f"{k} = {fmt(v)}\n" for k, v in dataclasses.asdict(cfg).items() if v is not None)

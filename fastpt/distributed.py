@@ -20,8 +20,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fastpt.errors import FastptError, fail
@@ -221,6 +219,8 @@ def compile_in_place(model: nn.Module, mode: str, per_block: bool) -> None:
 def shard(model: nn.Module, dtype: torch.dtype) -> None:
     """FSDP2: one all-gather / reduce-scatter unit per TransformerBlock, then the root (embedding,
     head, final norm). bf16 runs compute in bf16 and reduce gradients in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # ~1 s to import: FSDP runs only
+
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if dtype == torch.bfloat16
@@ -236,18 +236,20 @@ def shard(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
-    """Gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on the last micro-step."""
+    """Gradients are all-reduced (DDP) or reduce-scattered (FSDP) only on the last micro-step. (An
+    FSDP model is known by its method: torch.distributed.fsdp is imported only where FSDP runs.)"""
     if isinstance(model, DDP):
         model.require_backward_grad_sync = enabled
-    elif isinstance(model, FSDPModule):
+    elif hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
 
 
 def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     """Clip to a global norm. Under FSDP torch reduces the norm over all shards and returns a
-    replicated DTensor; the caller gets a plain tensor either way."""
+    replicated DTensor (known by its full_tensor: DTensor is imported where FSDP runs); the caller
+    gets a plain tensor either way."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def all_reduce_mean(t: torch.Tensor, d: Dist) -> torch.Tensor:

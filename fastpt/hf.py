@@ -320,7 +320,10 @@ def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: in
         write_json(out / INDEX_FILE, {"metadata": split.metadata, "weight_map": split.tensor_to_filename})
 
 
-def write_json(path: Path, value: dict) -> None:
+def write_json(path: str | Path, value: dict) -> None:
+    """value as indented JSON in path (its folder made if need be): the exports' files, bench's results."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 

@@ -26,15 +26,6 @@ from fastpt import distributed
 from fastpt.data.tokenizer import load_tokenizer
 from fastpt.errors import ConfigError, DataError
 
-# --eval-mc-norm: what an ending's log-likelihood is divided by before the argmax. byte and char
-# count the continuation (the context's trailing whitespace, then the ending) less one leading
-# whitespace character, the separator: lm-eval counts a choice without its target delimiter (" ").
-NORMS = {
-    "byte": "per UTF-8 byte of the ending (lm-eval's acc_bytes)",
-    "char": "per character of the ending (lm-eval's acc_norm)",
-    "token": "per scored token (nanochat's CORE)",
-    "none": "the log-likelihood itself (lm-eval's acc)",
-}
 TASK_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -131,7 +122,11 @@ class Choice:
 
 
 def norm_length(norm: str, ctx: str, ending: str, scored: int) -> float:
-    """What --eval-mc-norm divides the ending's log-likelihood by."""
+    """What --eval-mc-norm divides the ending's log-likelihood by before the argmax: its UTF-8 bytes
+    (byte: lm-eval's acc_bytes), characters (char: acc_norm), scored tokens (token: nanochat's CORE)
+    or 1 (none: acc). byte and char count the continuation (the context's trailing whitespace, then
+    the ending) less one leading whitespace character, the separator: lm-eval counts a choice
+    without its target delimiter (" ")."""
     text = ctx[len(ctx.rstrip()) :] + ending  # what follows the context's last non-space
     text = text[1:] if text[:1].isspace() else text
     return {"byte": len(text.encode("utf-8")), "char": len(text), "token": scored, "none": 1}[norm]

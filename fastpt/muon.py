@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's, tuned for the slope at zero (Jordan et al.)
 NS_STEPS = 5
@@ -40,15 +39,19 @@ def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS) -> torch.Tensor:
 
 
 def whole(u: torch.Tensor) -> torch.Tensor:
-    """The whole matrix: a DTensor shard gathered (a collective: every rank calls it), else itself."""
-    return u.full_tensor() if isinstance(u, DTensor) else u
+    """The whole matrix: a DTensor shard gathered (a collective: every rank calls it), else itself.
+    (A DTensor is known by its methods: torch.distributed.tensor, ~1 s to import, is imported only
+    where FSDP runs, not at fastpt.train's start-up.)"""
+    return u.full_tensor() if hasattr(u, "full_tensor") else u
 
 
 def like(o: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The whole matrix o in u's layout: under FSDP this rank's rows of it (a local slice, no
     communication), else o itself."""
-    if not isinstance(u, DTensor):
+    if not hasattr(u, "device_mesh"):  # not a DTensor (see whole)
         return o
+    from torch.distributed.tensor import DTensor, Replicate
+
     replicated = DTensor.from_local(o, u.device_mesh, [Replicate()] * u.device_mesh.ndim, run_check=False)
     return replicated.redistribute(u.device_mesh, u.placements)
 

@@ -21,7 +21,7 @@ from fastpt import checkpoint, distributed
 from fastpt.checkpoint import build_checkpointer, save_checkpoint, start_or_resume
 from fastpt.cli import parse_args, resumed_run
 from fastpt.config import TrainConfig, check_runtime, pick_device, resolve
-from fastpt.data.dataset import build_data, packing_warning
+from fastpt.data.dataset import Data, build_data, packing_warning
 from fastpt.distributed import Preemption
 from fastpt.errors import print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
@@ -29,7 +29,7 @@ from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_f
 from fastpt.optim import apply_schedule
 from fastpt.plan import planner
 from fastpt.profiling import StepProbe
-from fastpt.step import TrainState, build_model, train_step
+from fastpt.step import Net, TrainState, build_model, train_step
 
 
 def nonfinite_error(bad_step: int, run_dir: Path) -> str:
@@ -66,6 +66,18 @@ def preempted_exit(signum: int, step: int, saved: bool, log) -> int:
     return 128 + signum
 
 
+def introduce(cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, step: int, chosen: str, log) -> None:
+    """What the run is (the summary, what --micro-batch auto chose), a packing warning, and that a
+    resumed run already at max_steps has nothing to do."""
+    for line in summary(cfg, data, net.raw.num_params(), dash) + ([chosen] if chosen else []):
+        log(line)
+    seq_len = data.train.seq_len
+    if warning := packing_warning(data.train, dash.tokens_per_step // seq_len, cfg.max_steps):
+        log(warning, file=sys.stderr)
+    if step >= cfg.max_steps:  # a resume of a finished run: said after what the run is
+        log(f"nothing to do: the run is already at step {step} of max_steps {cfg.max_steps}")
+
+
 # ---- the loop
 
 
@@ -85,14 +97,10 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
         start_or_resume(cfg, ckpt, device, log)
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
+        write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
         dash = Dashboard.for_run(cfg, net.raw.flops_per_token(seq_len), seq_len, device, d.world_size)
-        for line in summary(cfg, data, net.raw.num_params(), dash) + ([chosen] if chosen else []):
-            log(line)
-        if warning := packing_warning(data.train, dash.tokens_per_step // seq_len, cfg.max_steps):
-            log(warning, file=sys.stderr)
-        if state.step >= cfg.max_steps:  # a resume of a finished run: said after what the run is
-            log(f"nothing to do: the run is already at step {state.step} of max_steps {cfg.max_steps}")
+        introduce(cfg, data, net, dash, state.step, chosen, log)
         probe = cleanup.enter_context(closing(StepProbe(cfg, device, d.rank)))
         pace, exit_code = Pace(), 0
         first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
@@ -124,8 +132,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
                     state, pace.lap(state.window_steps), lrs, result.grad_norm, data.loader.wait_s, probe.recompiles()
                 )
                 log(dash.line(record, pace.eta(cfg.max_steps - state.step)), flush=True)
-                if metrics:
-                    metrics.log(record)
+                write_record(record)
                 state.new_window()
                 data.loader.wait_s = 0.0
 
@@ -134,8 +141,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
                     record = {"step": state.step, **evaluator.run(net.model, net.autocast, d)}
                     state.best_val_loss = min(state.best_val_loss, record["val_loss"])
                     log(f"Step {state.step:5d}/{cfg.max_steps} | {describe_eval(record)}")
-                    if metrics:
-                        metrics.log(record)
+                    write_record(record)
                 if ckpt_now and not save_checkpoint(ckpt, state.step, log) and (is_last or preempted):
                     exit_code = 1  # the checkpoint that --resume needs is missing: say so in the exit code
             if preempted:

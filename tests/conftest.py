@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -9,10 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fastpt.prepare import prepare
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One thread, as run_train's processes (OMP_NUM_THREADS=1): a run here and one in a subprocess
+# compute bit-identically (a resume in this process of a run killed in another), and the machine
+# has two cores.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +110,17 @@ def run_main(main, args: list[str], capsys) -> tuple[int, str, str]:
         run_command(lambda: main(args))
     out, err = capsys.readouterr()
     return exit_info.value.code, out, err
+
+
+def run_quietly(main, args: list[str]) -> tuple[int, str, str]:
+    """run_main for a fixture, which has no capsys: the output caught by redirecting sys.stdout and
+    sys.stderr."""
+    from fastpt.errors import run_command
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        run_command(lambda: main(args))
+    return exit_info.value.code, out.getvalue(), err.getvalue()
 
 
 def train_refuses(capsys, argv: list[str], *named: str) -> None:

@@ -53,8 +53,21 @@ def models(cfg: ModelConfig = CFG) -> tuple[Transformer, Transformer]:
     return doc, causal
 
 
+# FlexAttention runs eagerly here, on purpose: forward only, on the CPU, to check its masks (training
+# on a CPU takes the dense mask; on CUDA it is compiled).
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
+
+
+@pytest.fixture
+def eager_block_mask(monkeypatch):
+    """BlockMasks built by create_block_mask run eagerly: at these 64-token rows its dense
+    intermediate is tiny, and no compile (the compiled builder, which a long row needs, is
+    test_a_block_mask_built_outside_a_compiled_graph_allocates_no_dense_mask's)."""
+    monkeypatch.setattr(attention, "_standalone_block_mask", lambda: attention.create_block_mask)
+
+
 @pytest.fixture(params=["dense", "flex"])
-def mask_kind(request, monkeypatch):
+def mask_kind(request, monkeypatch, eager_block_mask):
     """Run the model with either mask (flex forced here on the CPU, forward only)."""
     if request.param == "flex":
         monkeypatch.setattr(model_module, "document_mask", functools.partial(attention.document_mask, flex=True))
@@ -76,7 +89,7 @@ def test_document_ids_and_dense_mask_by_hand():
 
 
 @torch.no_grad()
-def test_flex_block_mask_attends_as_the_dense_mask():
+def test_flex_block_mask_attends_as_the_dense_mask(eager_block_mask):
     idx = torch.stack((tokens(5, 40, 19), tokens(64, seed=1), tokens(1, 1, 62, seed=2)))  # (3, 64)
     q, k, v = (torch.randn(3, 4, 64, 16) for _ in range(3))
     k, v = k[:, :2], v[:, :2]  # grouped-query: 2 kv heads
@@ -226,16 +239,18 @@ def test_activation_checkpointing_recomputes_the_same_document_attention():
         torch.testing.assert_close(a, b)
 
 
-def test_document_attention_trains_alike_on_the_triton_kernels(tiny_data, tmp_path):
-    """--kernels triton (RMSNorm and the fused loss through Triton's interpreter on this CPU) beside
-    the document mask: the same losses as the PyTorch reference kernels."""
+@pytest.mark.slow  # ~30 s of Triton's interpreter; the fast twins: test_kernels.py's trained losses, and above
+def test_document_attention_trains_alike_on_the_triton_kernels(tiny_data, tmp_path, capsys):
+    """--kernels triton (RMSNorm and the fused loss through Triton's interpreter on this CPU, in a
+    process of its own: triton.jit reads TRITON_INTERPRET at import) beside the document mask: the
+    same losses as the PyTorch reference kernels."""
     flags = dict(max_steps=3, log_every=1, eval_every=3, eval_tokens=128, attention="document")
     triton = run_train(
         *tiny_args(tiny_data, tmp_path / "triton", kernels="triton", **flags), env={"TRITON_INTERPRET": "1"}
     )
     assert triton.returncode == 0, triton.stderr
-    reference = run_train(*tiny_args(tiny_data, tmp_path / "torch", kernels="torch", **flags))
-    assert reference.returncode == 0, reference.stderr
+    code, _, err = run_main(train.main, tiny_args(tiny_data, tmp_path / "torch", kernels="torch", **flags), capsys)
+    assert code == 0, err
     losses = [[r["loss"] for r in read_metrics(tmp_path / kind)] for kind in ("triton", "torch")]
     assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-4)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_line_error, read_metrics, run_main, run_train, tiny_args
+from conftest import assert_one_line_error, read_metrics, run_main, run_quietly, run_train, tiny_args
 from fastpt import checkpoint, export, sample, train
 
 
@@ -24,13 +24,8 @@ def run_args(data: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ckpt") / "reference"
-    with pytest.MonkeyPatch.context() as mp:  # run_main needs capsys; a module fixture has none
-        mp.setattr("sys.argv", ["fastpt.train"])
-        with pytest.raises(SystemExit) as done:
-            from fastpt.errors import run_command
-
-            run_command(lambda: train.main(run_args(tiny_data, out)))
-    assert done.value.code == 0
+    code, _, err = run_quietly(train.main, run_args(tiny_data, out))
+    assert code == 0, err
     return out
 
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, assert_one_line_error, read_metrics, run_main, run_train
+from conftest import TINY, assert_one_line_error, read_metrics, run_main, run_quietly, run_train
 from fastpt import checkpoint, export, hf, prepare, sample, train
 from fastpt.config import PRESETS, ModelConfig
 from fastpt.data.dataset import Windows, find_shards
@@ -46,8 +46,8 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def run_dir(bpe_data, tmp_path_factory):
     """A 3-step tiny run on a BPE corpus: a checkpoint and the run's tokenizer.json."""
     out = tmp_path_factory.mktemp("hf") / "run"
-    result = run_train("--data", str(bpe_data), "--out", str(out), *TINY, "--max-steps", "3")
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_quietly(train.main, ["--data", str(bpe_data), "--out", str(out), *TINY, "--max-steps", "3"])
+    assert code == 0, err
     return out
 
 

@@ -5,6 +5,8 @@ command fastpt.train, kernels/ knows nothing of fastpt, and fastpt knows nothing
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -95,3 +97,13 @@ def test_layers_point_down():
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_command_starts_without_the_heavy_parts_of_torch():
+    """`python -m fastpt.train --help` costs about `import torch`: DCP, DTensor and FSDP (~1.5 s),
+    Inductor, Triton and transformers are imported where a run uses them, not at start-up."""
+    heavy = ["torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp"]
+    heavy += ["torch._inductor", "triton", "transformers"]
+    check = f"import sys, fastpt.train; print([m for m in {heavy!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, check=True)
+    assert result.stdout == "[]\n", f"imported by fastpt.train: {result.stdout}"

@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run_main, run_train, train_refuses
+from conftest import TINY, read_metrics, run_main, train_refuses
 from fastpt import checkpoint, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.model import Transformer
@@ -226,16 +226,16 @@ def test_muon_with_wsd_resumes_exactly_from_a_checkpoint(tiny_data, tmp_path, ca
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [6, 9])  # wsd: stable at 6, decaying at 9
-def test_muon_with_wsd_resumes_bit_identically_after_sigkill(tiny_data, tmp_path, kill_at):
+def test_muon_with_wsd_resumes_bit_identically_after_sigkill(tiny_data, tmp_path, capsys, kill_at):
     from test_reliability import records, run_args, run_faulty
 
-    reference = run_train(*run_args(tiny_data, tmp_path / "reference", *RECIPE))
-    assert reference.returncode == 0, reference.stderr
+    code, _, err = run_main(train.main, run_args(tiny_data, tmp_path / "reference", *RECIPE), capsys)
+    assert code == 0, err
     killed = run_faulty("kill-at-step", kill_at, *run_args(tiny_data, tmp_path / "run", *RECIPE))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = run_train(*run_args(tiny_data, tmp_path / "run", *RECIPE), "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"at step {(kill_at - 1) // 4 * 4}" in resumed.stdout
+    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *RECIPE), "--resume"], capsys)
+    assert code == 0, err
+    assert f"at step {(kill_at - 1) // 4 * 4}" in out
     assert records(tmp_path / "run") == records(tmp_path / "reference")
 
 

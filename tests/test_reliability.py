@@ -24,70 +24,42 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train, tiny_args, train_refuses
-from fastpt import checkpoint, metrics
+import faults
+from conftest import (
+    REPO,
+    TINY,
+    assert_one_line_error,
+    read_metrics,
+    run_main,
+    run_quietly,
+    run_train,
+    tiny_args,
+    train_refuses,
+)
+from fastpt import checkpoint, metrics, train
 from fastpt.data.shards import write_shard
-
-FAULTY_TRAIN = r"""
-import os, resource, signal, sys, torch
-from fastpt import errors, metrics, model, train
-fault, at, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-steps = {int(s) for s in at.split(",")} if fault == "nan-at" else set()
-at = int(at) if at.isdigit() else None
-real_log, real_save, real_forward = metrics.MetricsLogger.log, torch.save, model.Transformer.forward
-accum = int(argv[argv.index("--grad-accum") + 1]) if "--grad-accum" in argv else 1
-train_forwards = 0
-
-def log(self, record):
-    real_log(self, record)
-    if fault == "kill-after-step" and record["step"] == at:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if fault == "fill-disk-after-step" and record["step"] == at:
-        with open(self.path.parent / "filler", "wb") as f:  # until the filesystem says ENOSPC
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
-
-def save(obj, f, *args, **kwargs):
-    if fault == "kill-in-save" and obj["train_state"]["step"] == at:
-        f.write(b"half a checkpoint")
-        f.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-    real_save(obj, f, *args, **kwargs)
-
-def forward(self, idx, labels=None, kv_cache=None, **kwargs):
-    global train_forwards
-    if labels is not None and self.training:
-        train_forwards += 1
-        step = (train_forwards - 1) // accum + 1
-        if fault == "kill-at-step" and step == at:  # in the middle of the step, before its update
-            os.kill(os.getpid(), signal.SIGKILL)
-    out = real_forward(self, idx, labels, kv_cache, **kwargs)
-    if labels is not None and self.training and step in steps:  # "nan-at": poison these steps' losses
-        out = out._replace(loss=out.loss * float("nan"))
-    return out
-
-if fault == "file-size-limit":
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
-    resource.setrlimit(resource.RLIMIT_FSIZE, (at, resource.RLIM_INFINITY))
-metrics.MetricsLogger.log, torch.save, model.Transformer.forward = log, save, forward
-errors.run_command(lambda: train.main(argv))
-"""
 
 
 def run_faulty(fault: str, at: int | str, *args: str) -> subprocess.CompletedProcess:
+    """fastpt.train with `fault` in a real process (a kill, a file-size limit): tests/faults.py."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-c", FAULTY_TRAIN, fault, str(at), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
+        faults.script_args(fault, at, *args), capture_output=True, text=True, timeout=300, env=env, cwd=REPO
     )
+
+
+def faulty_here(capsys, fault: str, at: int | str, *args: str) -> tuple[int, str, str]:
+    """fastpt.train with a fault that leaves the process alive (NaN losses, a full disk), in this
+    process: (exit code, stdout, stderr)."""
+    assert fault in faults.IN_PROCESS
+    with pytest.MonkeyPatch.context() as mp:
+        faults.install(fault, str(at), list(args), mp.setattr)
+        return run_main(train.main, list(args), capsys)
+
+
+def train_here(capsys, *args: str) -> tuple[int, str, str]:
+    """python -m fastpt.train's work in this process: (exit code, stdout, stderr)."""
+    return run_main(train.main, list(args), capsys)
 
 
 def run_args(data: Path, out: Path, *extra: str) -> list[str]:
@@ -108,8 +80,8 @@ def ckpt_names(run_dir: Path) -> list[str]:
 def reference(tiny_data, tmp_path_factory) -> Path:
     """The uninterrupted run every interrupted one must reproduce."""
     out = tmp_path_factory.mktemp("reference")
-    result = run_train(*run_args(tiny_data, out))
-    assert result.returncode == 0, result.stderr
+    code, _, err = run_quietly(train.main, run_args(tiny_data, out))
+    assert code == 0, err
     return out
 
 
@@ -138,31 +110,31 @@ def records(run_dir: Path) -> list[dict]:
         pytest.param(5, 2, marks=pytest.mark.slow),
     ],
 )
-def test_resume_after_sigkill_logs_what_the_uninterrupted_run_logs(tiny_data, tmp_path, log_every, ckpt_every):
+def test_resume_after_sigkill_logs_what_the_uninterrupted_run_logs(tiny_data, tmp_path, capsys, log_every, ckpt_every):
     """SIGKILL in the middle of a random step, resume: every record (loss averaged over a log window
     that straddles the checkpoint too, lr, grad norm, tokens, val loss) equals the uninterrupted run's."""
     every = ("--log-every", str(log_every), "--ckpt-every", str(ckpt_every))
-    reference = run_train(*run_args(tiny_data, tmp_path / "reference", *every))
-    assert reference.returncode == 0, reference.stderr
+    code, _, err = train_here(capsys, *run_args(tiny_data, tmp_path / "reference", *every))
+    assert code == 0, err
     kill_at = random.randint(ckpt_every + 1, 10)
     run_dir = tmp_path / "run"
     killed = run_faulty("kill-at-step", kill_at, *run_args(tiny_data, run_dir, *every))
     assert killed.returncode == -signal.SIGKILL, (kill_at, killed.stderr)
-    resumed = run_train(*run_args(tiny_data, run_dir, *every), "--resume")
-    assert resumed.returncode == 0, resumed.stderr
+    code, out, err = train_here(capsys, *run_args(tiny_data, run_dir, *every), "--resume")
+    assert code == 0, err
     saved_at = (kill_at - 1) // ckpt_every * ckpt_every
-    assert f"at step {saved_at}" in resumed.stdout, kill_at
+    assert f"at step {saved_at}" in out, kill_at
     assert records(run_dir) == records(tmp_path / "reference"), f"killed in step {kill_at}"
 
 
-def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tiny_data, tmp_path, reference):
+def test_sigkill_while_writing_a_checkpoint_leaves_the_previous_one(tiny_data, tmp_path, capsys, reference):
     killed = run_faulty("kill-in-save", 8, *run_args(tiny_data, tmp_path))
     assert killed.returncode == -signal.SIGKILL
     assert [p.name.split(".tmp")[0] for p in tmp_path.glob(".*.tmp*")] == [".ckpt_00000008.pt"]  # half written
     assert checkpoint.latest(tmp_path).name == "ckpt_00000004.pt"  # ... and never taken for a checkpoint
     assert checkpoint.step_of(checkpoint.load(checkpoint.latest(tmp_path))) == 4
-    resumed = run_train(*run_args(tiny_data, tmp_path), "--resume")
-    assert resumed.returncode == 0, resumed.stderr
+    code, _, err = train_here(capsys, *run_args(tiny_data, tmp_path), "--resume")
+    assert code == 0, err
     assert losses(tmp_path) == losses(reference)
     assert not list(tmp_path.glob(".*.tmp*"))  # the next save cleared the leftover
 
@@ -209,24 +181,25 @@ def test_preemption_checkpoints_exits_128_plus_the_signal_and_resumes(tiny_data,
     assert [s for s, _ in losses(tmp_path)] == list(range(1, stopped + 3))
 
 
-def test_nonfinite_loss_stops_naming_the_step(tiny_data, tmp_path):
+def test_nonfinite_loss_stops_naming_the_step(tiny_data, tmp_path, capsys):
     # Checked at log / checkpoint steps only (no per-step sync): found at step 8, named as step 6.
-    result = run_faulty("nan-at", "6", *run_args(tiny_data, tmp_path, "--log-every", "4"))
-    assert result.returncode == 1
+    code, _, err = faulty_here(capsys, "nan-at", "6", *run_args(tiny_data, tmp_path, "--log-every", "4"))
+    assert code == 1
     assert (
         "fastpt: error: non-finite loss or gradient norm at step 6; stopped, the latest checkpoint "
         "(ckpt_00000004.pt) predates it"
-    ) in result.stderr
+    ) in err
     assert ckpt_names(tmp_path) == ["ckpt_00000004.pt"]  # nothing saved from the poisoned weights
     assert [s for s, _ in losses(tmp_path)] == [4]
 
 
-def test_nonfinite_skip_mode_skips_counts_and_stops_after_max_skips(tiny_data, tmp_path):
-    result = run_faulty("nan-at", "3,5,6", *run_args(tiny_data, tmp_path, "--on-nonfinite", "skip", "--max-skips", "2"))
-    assert "step 3: non-finite loss or gradient norm, update skipped (1 in a row)" in result.stdout
-    assert "step 6: non-finite loss or gradient norm, update skipped (2 in a row)" in result.stdout
-    assert result.returncode == 1
-    assert "fastpt: error: stopping at step 6: 2 consecutive non-finite steps (max_skips)" in result.stderr
+def test_nonfinite_skip_mode_skips_counts_and_stops_after_max_skips(tiny_data, tmp_path, capsys):
+    args = run_args(tiny_data, tmp_path, "--on-nonfinite", "skip", "--max-skips", "2")
+    code, out, err = faulty_here(capsys, "nan-at", "3,5,6", *args)
+    assert "step 3: non-finite loss or gradient norm, update skipped (1 in a row)" in out
+    assert "step 6: non-finite loss or gradient norm, update skipped (2 in a row)" in out
+    assert code == 1
+    assert "fastpt: error: stopping at step 6: 2 consecutive non-finite steps (max_skips)" in err
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2, 4]  # step 4 trained on after the skip
     assert records[-1]["skipped_steps"] == 1 and np.isfinite(records[-1]["loss"])
@@ -427,18 +400,18 @@ def test_resume_with_another_model_names_the_difference(reference, tiny_data, ca
 # ---- history is never lost
 
 
-def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(reference, tiny_data, tmp_path):
+def test_damaged_newest_checkpoints_fall_back_to_the_newest_intact_one(reference, tiny_data, tmp_path, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)  # ckpt 8 and 10
     newest = run_dir / "ckpt_00000010.pt"
     os.truncate(newest, newest.stat().st_size // 2)
     (run_dir / "latest").write_bytes(b"\x00\xff not a name")  # a pointer that is not text is ignored
     torch.save({"weights": torch.ones(3)}, run_dir / "ckpt_00000011.pt")  # another program's torch file
-    result = run_train(*run_args(tiny_data, run_dir, "--resume"))
-    assert result.returncode == 0, result.stderr
-    assert f"resumed from {run_dir / 'ckpt_00000008.pt'} at step 8" in result.stdout
-    warnings = [line for line in result.stderr.splitlines() if "skipped a newer checkpoint" in line]
-    assert len(warnings) == 2, result.stderr
+    code, out, err = train_here(capsys, *run_args(tiny_data, run_dir, "--resume"))
+    assert code == 0, err
+    assert f"resumed from {run_dir / 'ckpt_00000008.pt'} at step 8" in out
+    warnings = [line for line in err.splitlines() if "skipped a newer checkpoint" in line]
+    assert len(warnings) == 2, err
     assert (
         f"{run_dir / 'ckpt_00000011.pt'} is not a fastpt checkpoint (no 'model_config', 'train_state')" in warnings[0]
     )
@@ -500,27 +473,27 @@ def tiny_disk(tmp_path):
     yield from mount_tmpfs(tmp_path / "disk", "3m")
 
 
-def test_a_full_disk_is_survived_and_the_final_checkpoint_attempted(small_disk, tiny_data):
+def test_a_full_disk_is_survived_and_the_final_checkpoint_attempted(small_disk, tiny_data, capsys):
     """The disk fills after step 5: once the metrics file's last page is used up too, its writes
     become one warning; checkpoints fail with the OS's reason; the run still trains to the end and
     attempts its final checkpoint. Then, with space again, it resumes and relogs what was lost."""
     run_dir = small_disk / "run"
     args = run_args(tiny_data, run_dir, "--max-steps", "30")
-    result = run_faulty("fill-disk-after-step", 5, *args)
-    assert result.returncode == 1, result.stderr  # the final checkpoint could not be written
-    assert "Traceback" not in result.stderr
-    assert result.stderr.count(f"fastpt: warning: could not write {run_dir / 'metrics.jsonl'}") == 1
+    code, out, err = faulty_here(capsys, "fill-disk-after-step", 5, *args)
+    assert code == 1, err  # the final checkpoint could not be written
+    assert "Traceback" not in err
+    assert err.count(f"fastpt: warning: could not write {run_dir / 'metrics.jsonl'}") == 1
     assert (
         f"could not write checkpoint {run_dir / 'ckpt_00000030.pt'}: No space left on device; "
         "ckpt_00000004.pt is intact"
-    ) in result.stderr
-    assert "Step    30/30" in result.stdout  # trained to the end
+    ) in err
+    assert "Step    30/30" in out  # trained to the end
     logged = [s for s, _ in losses(run_dir)]
     assert logged[:5] == [1, 2, 3, 4, 5] and len(logged) < 30
     (run_dir / "filler").unlink()
-    resumed = run_train(*args, "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "at step 4" in resumed.stdout
+    code, out, err = train_here(capsys, *args, "--resume")
+    assert code == 0, err
+    assert "at step 4" in out
     assert [s for s, _ in losses(run_dir)] == list(range(1, 31))
 
 
@@ -545,7 +518,7 @@ def wait_for(text: str, path: Path, proc: subprocess.Popen, timeout: float = 120
         time.sleep(0.05)
 
 
-def test_a_second_trainer_on_the_same_folder_is_refused_and_a_killed_one_leaves_no_lock(tiny_data, tmp_path):
+def test_a_second_trainer_on_the_same_folder_is_refused_and_a_killed_one_leaves_no_lock(tiny_data, tmp_path, capsys):
     args = (
         *TINY,
         "--data",
@@ -562,17 +535,17 @@ def test_a_second_trainer_on_the_same_folder_is_refused_and_a_killed_one_leaves_
     with open(tmp_path / "first.txt", "w") as stdout:
         first = start_train(*args, "--max-steps", "100000", stdout=stdout)
         wait_for("saved", tmp_path / "first.txt", first)
-        second = run_train(*args, "--max-steps", "100000", "--resume")
-        assert second.returncode == 2
-        assert second.stderr == (
+        code, _, err = train_here(capsys, *args, "--max-steps", "100000", "--resume")
+        assert code == 2
+        assert err == (
             f"fastpt: error: {tmp_path / 'run'} is in use by another trainer (pid {first.pid} "
             f"on {socket.gethostname()}); wait for it to end or choose another --out\n"
         )
         first.kill()
         first.wait()
     saved = checkpoint.step_of(checkpoint.load(checkpoint.latest(tmp_path / "run")))
-    third = run_train(*args, "--max-steps", str(saved + 1), "--resume")  # SIGKILL left no stale lock
-    assert third.returncode == 0, third.stderr
+    code, _, err = train_here(capsys, *args, "--max-steps", str(saved + 1), "--resume")  # SIGKILL left no stale lock
+    assert code == 0, err
 
 
 # ---- Ctrl-C
@@ -711,7 +684,9 @@ metrics.rewind(Path(sys.argv[1]), 4)
 """
 
 
-def test_a_rewind_killed_midway_keeps_the_history_and_the_next_resume_removes_its_copy(reference, tiny_data, tmp_path):
+def test_a_rewind_killed_midway_keeps_the_history_and_the_next_resume_removes_its_copy(
+    reference, tiny_data, tmp_path, capsys
+):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
     history = (run_dir / "metrics.jsonl").read_bytes()
@@ -719,8 +694,8 @@ def test_a_rewind_killed_midway_keeps_the_history_and_the_next_resume_removes_it
     assert killed.returncode == -signal.SIGKILL
     assert [p.name.split(".tmp")[0] for p in run_dir.glob(".metrics.jsonl.tmp*")] == [".metrics.jsonl"]
     assert (run_dir / "metrics.jsonl").read_bytes() == history
-    resumed = run_train(*run_args(tiny_data, run_dir), "--resume")  # at step 10 of 10: nothing to train
-    assert resumed.returncode == 0, resumed.stderr
+    code, _, err = train_here(capsys, *run_args(tiny_data, run_dir), "--resume")  # at step 10 of 10: nothing to train
+    assert code == 0, err
     assert not list(run_dir.glob(".metrics.jsonl.tmp*"))
     assert (run_dir / "metrics.jsonl").read_bytes() == history
 
@@ -785,17 +760,17 @@ def test_prepare_past_a_file_size_limit_is_one_line_not_a_silent_death(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["big.txt"]
 
 
-def test_export_onto_a_disk_that_fills_is_one_line_and_keeps_the_earlier_export(reference, tiny_disk):
+def test_export_onto_a_disk_that_fills_is_one_line_and_keeps_the_earlier_export(reference, tiny_disk, capsys):
+    from fastpt import export
+
     out = tiny_disk / "hf"
-    first = run_command_line("export", str(reference), "--out", str(out), "--dtype", "bf16")  # ~1 MB
-    assert first.returncode == 0, first.stderr
+    code, _, err = run_main(export.main, [str(reference), "--out", str(out), "--dtype", "bf16"], capsys)  # ~1 MB
+    assert code == 0, err
     earlier = folder_bytes(out)
     free = os.statvfs(tiny_disk).f_bavail * os.statvfs(tiny_disk).f_frsize
     (tiny_disk / "filler").write_bytes(b"\0" * (free - 100_000))  # a nearly full disk
-    result = run_command_line("export", str(reference), "--out", str(out), "--overwrite")
     assert_one_line_error(
-        result.returncode,
-        result.stderr,
+        *run_main(export.main, [str(reference), "--out", str(out), "--overwrite"], capsys)[::2],
         f"fastpt.export could not write {out}: "
         "No space left on device (nothing published; its earlier contents are intact)",
         expected_code=1,
@@ -909,7 +884,7 @@ def test_a_publish_killed_midway_leaves_one_whole_folder_and_the_next_start_reco
         assert not (tmp_path / ".out.old").exists()
 
 
-def test_a_checkpoint_resaved_and_killed_between_the_renames_is_resumed_from(reference, tiny_data, tmp_path):
+def test_a_checkpoint_resaved_and_killed_between_the_renames_is_resumed_from(reference, tiny_data, tmp_path, capsys):
     """A sharded checkpoint of step 10 saved again over itself (a resumed attempt) and killed with the
     old one aside and the new one not yet in, the only checkpoint of the run (keep 1): --resume
     puts it back and resumes at step 10 (deleting it as a leftover lost the whole run)."""
@@ -924,9 +899,9 @@ def test_a_checkpoint_resaved_and_killed_between_the_renames_is_resumed_from(ref
     as_dcp_folder(ckpt, run_dir / ".ckpt_00000010.partial")
     killed_publish("two renames", run_dir / ".ckpt_00000010.partial", run_dir / "ckpt_00000010")
     assert ckpt_names(run_dir) == [] and (run_dir / ".ckpt_00000010.old").is_dir()
-    resumed = run_train(*run_args(tiny_data, run_dir, "--resume", "--keep-checkpoints", "1"))
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {run_dir / 'ckpt_00000010'} at step 10" in resumed.stdout
+    code, out, err = train_here(capsys, *run_args(tiny_data, run_dir, "--resume", "--keep-checkpoints", "1"))
+    assert code == 0, err
+    assert f"resumed from {run_dir / 'ckpt_00000010'} at step 10" in out
     assert ckpt_names(run_dir) == ["ckpt_00000010"] and not (run_dir / ".ckpt_00000010.old").exists()
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import eager_and_compiled, read_metrics, run_train, tiny_args, train_refuses
+from conftest import eager_and_compiled, read_metrics, run_main, run_train, tiny_args, train_refuses
 from fastpt import float8, train
 from fastpt.config import PRESETS
 from fastpt.data.dataset import Windows, find_shards
@@ -129,9 +129,10 @@ def test_float8_converts_the_blocks_linears_only():
     assert model.state_dict().keys() == model_of("none", cfg=cfg).state_dict().keys()  # checkpoints unchanged
 
 
-def test_profile_writes_a_trace_with_the_step_annotations(tiny_data, tmp_path):
-    result = run_train(*tiny_args(tiny_data, tmp_path, max_steps=6, log_every=2, eval_every=100, profile="3:5"))
-    assert result.returncode == 0, result.stderr
+def test_profile_writes_a_trace_with_the_step_annotations(tiny_data, tmp_path, capsys):
+    args = tiny_args(tiny_data, tmp_path, max_steps=6, log_every=2, eval_every=100, profile="3:5")
+    code, _, err = run_main(train.main, args, capsys)
+    assert code == 0, err
     (trace,) = (tmp_path / "profile").iterdir()
     assert trace.name == "rank0_steps3-5.pt.trace.json"
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}

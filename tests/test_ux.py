@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_train
+from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_quietly
 from fastpt import checkpoint, export, plot, prepare, sample, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import MissingPackage
@@ -24,10 +24,9 @@ from fastpt.model import Transformer
 def run_dir(tiny_data, tmp_path_factory):
     """A 5-step tiny run with TensorBoard on: one checkpoint, train and eval metrics."""
     out = tmp_path_factory.mktemp("ux") / "run"
-    result = run_train(
-        "--data", str(tiny_data), "--out", str(out), *TINY, "--max-steps", "5", "--log-every", "1", "--tensorboard"
-    )
-    assert result.returncode == 0, result.stderr
+    args = ["--data", str(tiny_data), "--out", str(out), *TINY, "--max-steps", "5", "--log-every", "1", "--tensorboard"]
+    code, _, err = run_quietly(train.main, args)
+    assert code == 0, err
     return out
 
 
@@ -66,30 +65,13 @@ def test_tensorboard_event_file_is_written(run_dir):
     assert "val_loss" in acc.Tags()["scalars"]
 
 
-def test_sample_prints_text_from_the_run_folder(run_dir):
+def test_sample_prints_text_from_the_run_folder(run_dir, capsys):
     assert (run_dir / "tokenizer.json").is_file()  # the run folder is self-contained
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fastpt.sample",
-            "--ckpt",
-            str(run_dir),
-            "--prompt",
-            "def ",
-            "--max-new-tokens",
-            "40",
-            "--device",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("def ") and len(result.stdout) > len("def \n")
-    assert "ckpt_00000005.pt: step 5" in result.stderr
+    args = ["--ckpt", str(run_dir), "--prompt", "def ", "--max-new-tokens", "40", "--device", "cpu"]
+    code, out, err = run_main(sample.main, args, capsys)
+    assert code == 0, err
+    assert out.startswith("def ") and len(out) > len("def \n")
+    assert "ckpt_00000005.pt: step 5" in err
 
 
 def test_kv_cache_generation_equals_full_recompute(run_dir):

@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
@@ -104,6 +103,8 @@ class MemoryTrace(TorchDispatchMode):
         return True  # off while torch.compile traces, on while its graphs run
 
     def __enter__(self) -> MemoryTrace:
+        # torch.distributed.tensor is imported here, not at the top: ~1 s of fastpt.train's start-up.
+
         self._hooks = (
             register_optimizer_step_pre_hook(lambda *_: setattr(self, "_in_optimizer", True)),
             register_optimizer_step_post_hook(lambda *_: setattr(self, "_in_optimizer", False)),
@@ -124,6 +125,7 @@ class MemoryTrace(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
+
         for hook in self._hooks:
             hook.remove()
         torch_internals.set_sharding_propagation_lock(self._propagation)
@@ -159,6 +161,8 @@ class MemoryTrace(TorchDispatchMode):
         self.steps.append(self.event)
 
     def _lives_of(self, t: torch.Tensor, phase: str, op: str, create: bool) -> list[Life]:
+        from torch.distributed.tensor import DTensor
+
         t = t.to_local() if isinstance(t, DTensor) else t
         lives = []
         for st in storages(t):
@@ -194,6 +198,8 @@ class MemoryTrace(TorchDispatchMode):
         return self._phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which are the real allocations
         if func is torch.ops._c10d_functional.wait_tensor.default:
@@ -363,9 +369,14 @@ class Replay:
 
 def sweep(lives: list[Life]) -> tuple[int, int]:
     """The most bytes alive at once, and the first event at which they were (no allocator)."""
-    deltas = sorted([(life.born, life.nbytes) for life in lives] + [(life.died, -life.nbytes) for life in lives])
+    return running_peak([(life.born, life.nbytes) for life in lives] + [(life.died, -life.nbytes) for life in lives])
+
+
+def running_peak(deltas: Iterable[tuple[float, int]]) -> tuple[int, float]:
+    """The highest running total of (time, bytes allocated or, negative, freed) taken in time order
+    (at one time, frees first), and the time it was first reached."""
     live = peak = peak_event = 0
-    for event, delta in deltas:
+    for event, delta in sorted(deltas):
         live += delta
         if live > peak:
             peak, peak_event = live, event

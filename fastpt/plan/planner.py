@@ -170,7 +170,7 @@ def fake_run(
     GPU. Yields the process and an empty trace with the target's allocator rounding and scratch,
     and on CUDA the cuBLAS workspaces of the card `gpu` (--plan-gpu) names."""
     cuda = target == "cuda"
-    mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, FSDP_LABELS)
+    mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, fsdp_labels(world_size))
     for nbytes in cublas_workspaces(gpu) if cuda else ():  # through torch's allocator, kept for the process
         mem.lives.append(Life(nbytes, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
     gc.collect()
@@ -187,9 +187,13 @@ def fake_run(
         gc.enable()
 
 
-def trace_steps(mem: MemoryTrace, step: Callable[[], object], model: torch.nn.Module, optimizers: list) -> None:
-    """Two calls of step() (an optimizer step) in the trace; after each, its gradients and optimizer
-    state named. Two: the second holds the optimizer state that the first creates."""
+def trace_steps(
+    mem: MemoryTrace, step: Callable[[], object], model: torch.nn.Module, optimizers: list, target: str
+) -> None:
+    """Two calls of step() (an optimizer step) in the trace, what the model compiles recompiled for
+    the plan first; after each, its gradients and optimizer state named. Two: the second holds the
+    optimizer state that the first creates."""
+    recompile_for_plan(model, target)
     mem.add(list(model.parameters()) + list(model.buffers()), "parameters")
     # FSDP keeps each parameter's gradient unsharded, in fp32, across the micro-steps that do not sync.
     unsharded = lambda *_: mem.label(
@@ -216,12 +220,11 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
     ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
     with fake_run(target, 1 if ddp else world_size, cfg.compile, cfg.plan_gpu) as (d, mem):
         net = build_model(as_planned(cfg, target), mcfg, torch.device("cpu"), d)
-        recompile_for_plan(net.raw, target)
         if ddp:
             mem.lives += ddp_buckets(net.raw, mem.round_to)
         loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
         step = lambda: train_step(net, loader, step_config(cfg), d)
-        trace_steps(mem, step, net.raw, net.optimizers)
+        trace_steps(mem, step, net.raw, net.optimizers, target)
         params = net.raw.num_params()
     for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
         life.nbytes = 0 if life.kind == "gradients" else life.nbytes
@@ -251,7 +254,10 @@ def gathered(args: tuple, kwargs: dict, out: object) -> list:
     return [(t, "all-gathered parameters") for t in kwargs["out"]]
 
 
-FSDP_LABELS = {torch_internals.fsdp_split_copy(): gathered}
+def fsdp_labels(world_size: int) -> dict:
+    """What FSDP2's ops tell of their tensors. Its ops exist once torch.distributed.fsdp is imported
+    (~1 s, kept out of fastpt.train's start-up), which a one-process plan never needs."""
+    return {torch_internals.fsdp_split_copy(): gathered} if world_size > 1 else {}
 
 
 def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:

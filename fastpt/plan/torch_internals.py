@@ -129,7 +129,9 @@ def fsdp_params(model: torch.nn.Module) -> Iterator:
 
 
 def fsdp_split_copy() -> object:
-    """The op FSDP2 copies each all-gathered parameter out of the flat buffer with."""
+    """The op FSDP2 copies each all-gathered parameter out of the flat buffer with (registered when
+    torch.distributed.fsdp is imported, which fastpt.train's start-up leaves out)."""
+    importlib.import_module("torch.distributed.fsdp")
     return torch.ops.fsdp.split_with_sizes_copy.default
 
 

@@ -1,0 +1,84 @@
+"""Faults injected into fastpt.train from outside its code, in a real process (`python -c SCRIPT`:
+a SIGKILL during a step, after a logged step or halfway through writing a checkpoint; a file-size
+limit that makes big writes fail like a full disk, EFBIG, also for root) or in this one through a
+MonkeyPatch (NaN losses at chosen steps, a disk that fills up after a step)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import torch
+
+from fastpt import metrics, model
+
+IN_PROCESS = ("nan-at", "fill-disk-after-step")  # the faults that leave the process alive
+
+# `python -c SCRIPT FAULT AT ARGS...`: fastpt.train with the fault installed (tests/ on the path).
+SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import faults
+from fastpt import errors, train
+fault, at, argv = sys.argv[2], sys.argv[3], sys.argv[4:]
+faults.install(fault, at, argv)
+errors.run_command(lambda: train.main(argv))
+"""
+
+
+def install(fault: str, at: str, argv: list[str], patch: Callable = setattr) -> None:
+    """Patch fastpt's logger, torch.save and the model's forward (with `patch`: setattr, or a
+    MonkeyPatch's) to inject `fault` at step `at` into the run of `argv`."""
+    steps = {int(s) for s in at.split(",")} if fault == "nan-at" else set()
+    at = int(at) if at.isdigit() else None
+    real_log, real_save, real_forward = metrics.MetricsLogger.log, torch.save, model.Transformer.forward
+    accum = int(argv[argv.index("--grad-accum") + 1]) if "--grad-accum" in argv else 1
+    train_forwards = 0
+
+    def log(self, record):
+        real_log(self, record)
+        if fault == "kill-after-step" and record["step"] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "fill-disk-after-step" and record["step"] == at:
+            with open(self.path.parent / "filler", "wb") as f:  # until the filesystem says ENOSPC
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+
+    def save(obj, f, *args, **kwargs):
+        if fault == "kill-in-save" and obj["train_state"]["step"] == at:
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_save(obj, f, *args, **kwargs)
+
+    def forward(self, idx, labels=None, kv_cache=None, **kwargs):
+        nonlocal train_forwards
+        if labels is not None and self.training:
+            train_forwards += 1
+            step = (train_forwards - 1) // accum + 1
+            if fault == "kill-at-step" and step == at:  # in the middle of the step, before its update
+                os.kill(os.getpid(), signal.SIGKILL)
+        out = real_forward(self, idx, labels, kv_cache, **kwargs)
+        if labels is not None and self.training and step in steps:  # "nan-at": poison these steps' losses
+            out = out._replace(loss=out.loss * float("nan"))
+        return out
+
+    if fault == "file-size-limit":
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (at, resource.RLIM_INFINITY))
+    patch(metrics.MetricsLogger, "log", log)
+    patch(torch, "save", save)
+    patch(model.Transformer, "forward", forward)
+
+
+def script_args(fault: str, at: int | str, *args: str) -> list[str]:
+    """The command line of a real process running fastpt.train with `fault` (see SCRIPT)."""
+    return [sys.executable, "-c", SCRIPT, os.path.dirname(os.path.abspath(__file__)), fault, str(at), *args]
