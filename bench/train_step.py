@@ -56,7 +56,7 @@ from fastpt.errors import FastptError
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer
-from fastpt.plan import gpus, planner
+from fastpt.plan import gpus, planner, timing
 from fastpt.plan.compiled import recompile_for_plan
 from fastpt.presets import model_config
 from fastpt.profiling import compiled_graphs
@@ -216,19 +216,34 @@ def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return module if next(module.parameters()).device == device else module.to(device)
 
 
-def planned_peak(setup: Setup, mode: Mode) -> float | None:
-    """GiB: what fastpt.plan predicts torch.cuda.max_memory_allocated to be for this mode's step on a
-    GPU, the same build traced over fake tensors (None for CUDA graphs, whose pools it does not model)."""
+def planned(setup: Setup, mode: Mode) -> dict:
+    """What fastpt.plan predicts for this mode's step on a GPU, the same build traced over fake
+    tensors: torch.cuda.max_memory_allocated (GiB) and the step's time on planned_card() (ms, tok/s);
+    nothing for CUDA graphs, whose pools it does not model."""
     if mode.compile_mode in CUDA_GRAPH_MODES:
-        return None
+        return {}
     with planner.fake_run("cuda", 1, mode.compile) as (_, mem):
         run = build(dataclasses.replace(setup, device="cpu"), mode, "triton" if mode.kernels else "torch")
         try:
             recompile_for_plan(run.model, "cuda")
-            planner.trace_steps(mem, run.step, run.model, [run.optimizer])
+            with timing.KernelTrace(mem) as timed:
+                planner.trace_steps(mem, run.step, run.model, [run.optimizer])
         finally:
             run.loader.close()
-    return planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30
+    ops = [op for op in timed.ops if op.step == max(op.step for op in timed.ops)]
+    log = timing.KernelLog(ops, setup.grad_accum, setup.grad_accum, 1, run.tokens_per_step)
+    step = timing.step_time(log, gpus.speed_of(planned_card()))
+    return {
+        "planned_gib": planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30,
+        "planned_step_ms": step.seconds * 1e3,
+        "planned_tok_s": step.tok_s,
+    }
+
+
+def planned_card() -> gpus.Card:
+    """The card a step's time is planned on: this machine's GPU where it has a known one, else an H100."""
+    here = gpus.card("") if torch.cuda.is_available() else None
+    return here if here is not None and gpus.speed_of(here) else gpus.card("h100-80")
 
 
 def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
@@ -267,8 +282,7 @@ def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
         "flops_per_token": run.flops_per_token,
         "tokens_per_step": run.tokens_per_step,
         "cpu_threads": torch.get_num_threads(),
-        "planned_gib": planned_peak(setup, mode) if setup.plan else None,  # after the timing: CPU work
-    }
+    } | (planned(setup, mode) if setup.plan else {})  # after the timing: CPU work
 
 
 def measure_isolated(setup: Setup, mode: Mode, steps: int, warmup: int, timeout: float | None) -> dict:
@@ -355,6 +369,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         "step ms",
         "peak GiB",
         "planned GPU peak",
+        "planned tok/s",
         "MFU",
         "MFU vs matmul",
         "loss",
@@ -377,6 +392,7 @@ def markdown(rows: list[dict], info: dict) -> str:
                 f"{r['step_ms']:.1f}",
                 f"{r['peak_mem_gib']:.2f}",
                 planned_vs_measured(r, info["device"]),
+                planned_speed(r, info["device"]),
                 fmt(r["mfu"], ".2f"),
                 fmt(r["mfu_matmul"], ".2f"),
                 f"{r['loss']:.5f}",
@@ -387,6 +403,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         )
     mem = "CUDA max_memory_allocated" if info["device"] == "cuda" else "peak RSS growth of the mode's process"
     mem += "; planned GPU peak = fastpt.plan's max_memory_allocated for the step on a GPU, traced on the CPU"
+    mem += f"; planned tok/s = fastpt.plan.timing's for the step on {planned_card().name}"
     with_kernels = any("+kernels" in r["mode"] for r in rows)
     note = kernel_rows_note(torch.device(info["device"]), "+kernels rows") if with_kernels else ""
     return f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up" + (
@@ -402,6 +419,16 @@ def planned_vs_measured(row: dict, device: str) -> str:
     if device != "cuda":
         return f"{planned:.2f}"
     return f"{planned:.2f} ({100 * (planned / row['peak_mem_gib'] - 1):+.1f}%)"
+
+
+def planned_speed(row: dict, device: str) -> str:
+    """The planned tok/s; on a GPU also its difference from the measured one."""
+    planned_tok_s = row.get("planned_tok_s")
+    if planned_tok_s is None:
+        return "–"
+    if device != "cuda":
+        return f"{planned_tok_s:,.0f}"
+    return f"{planned_tok_s:,.0f} ({100 * (planned_tok_s / row['tok_s'] - 1):+.1f}%)"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
