@@ -392,7 +392,7 @@ def markdown(rows: list[dict], info: dict) -> str:
                 f"{r['step_ms']:.1f}",
                 f"{r['peak_mem_gib']:.2f}",
                 planned_vs_measured(r, info["device"]),
-                planned_speed(r, info["device"]),
+                planned_vs_measured(r, info["device"], "planned_tok_s", "tok_s"),
                 fmt(r["mfu"], ".2f"),
                 fmt(r["mfu_matmul"], ".2f"),
                 f"{r['loss']:.5f}",
@@ -411,24 +411,15 @@ def markdown(rows: list[dict], info: dict) -> str:
     )
 
 
-def planned_vs_measured(row: dict, device: str) -> str:
-    """The planned GiB; on a GPU also its difference from the measured peak."""
-    planned = row.get("planned_gib")
+def planned_vs_measured(row: dict, device: str, key: str = "planned_gib", measured: str = "peak_mem_gib") -> str:
+    """The planned GiB (or tok/s); on a GPU also its difference from the measured one."""
+    planned = row.get(key)
     if planned is None:
         return "–"
+    text = f"{planned:.2f}" if key == "planned_gib" else f"{planned:,.0f}"
     if device != "cuda":
-        return f"{planned:.2f}"
-    return f"{planned:.2f} ({100 * (planned / row['peak_mem_gib'] - 1):+.1f}%)"
-
-
-def planned_speed(row: dict, device: str) -> str:
-    """The planned tok/s; on a GPU also its difference from the measured one."""
-    planned_tok_s = row.get("planned_tok_s")
-    if planned_tok_s is None:
-        return "–"
-    if device != "cuda":
-        return f"{planned_tok_s:,.0f}"
-    return f"{planned_tok_s:,.0f} ({100 * (planned_tok_s / row['tok_s'] - 1):+.1f}%)"
+        return text
+    return f"{text} ({100 * (planned / row[measured] - 1):+.1f}%)"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

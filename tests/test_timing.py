@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, table_entries
 from fastpt.cli import parse_args
 from fastpt.plan import gpus, planner, timing
 from fastpt.plan.flops import Cost
@@ -23,14 +23,18 @@ TINY = ("--preset", "tiny", "--vocab-size", "512", "--micro-batch", "4", "--seq-
 H100, H200 = gpus.SPEEDS["h100-80"], gpus.SPEEDS["h200"]
 
 
-@functools.cache
 def plan_of(*flags: str) -> planner.Plan:
-    """The plan fastpt.train --plan makes of these flags, its card set (cached: one trace per session)."""
+    """The plan fastpt.train --plan makes of these flags, on the card their --plan-gpu names (the
+    trace, which no card changes, made once per session)."""
+    i = flags.index("--plan-gpu")
+    return dataclasses.replace(traced(*flags[:i], *flags[i + 2 :]), card=gpus.card(flags[i + 1]))
+
+
+@functools.cache
+def traced(*flags: str) -> planner.Plan:
     cli, config_file = parse_args(list(flags))
     cfg, target = planner.planned_config(cli, config_file)
-    plan = planner.trace(cfg, target, cfg.plan_world_size)
-    plan.card = gpus.card(cfg.plan_gpu)
-    return plan
+    return planner.trace(cfg, target, cfg.plan_world_size)
 
 
 # ---- the parts of the model against their formulas
@@ -118,7 +122,7 @@ def test_plan_prints_the_step_time_and_its_kernels():
 
 
 def test_a_card_given_by_size_has_no_speed():
-    plan = dataclasses.replace(plan_of(*TINY, "--plan-gpu", "h100-80"), card=gpus.card("24GiB"))
+    plan = plan_of(*TINY, "--plan-gpu", "24GiB")
     lines = planner.describe(plan)
     assert any(line.startswith("step time: a card of 24.0 GiB has no known speed") for line in lines)
     assert not any(line.startswith("step on") for line in lines) and "step_ms" not in planner.to_json(plan)
@@ -141,15 +145,7 @@ def test_fsdp_plans_its_collectives_and_ddp_its_buckets():
 # ---- the committed table of planned step times, and eager vs compiled
 
 
-def table_entries() -> list:
-    entries = json.loads(TABLE.read_text())["plans"]
-    return [
-        pytest.param(name, entry, marks=[pytest.mark.slow] if entry.get("slow") else [], id=name)
-        for name, entry in entries.items()
-    ]
-
-
-@pytest.mark.parametrize("name, entry", table_entries())
+@pytest.mark.parametrize("name, entry", table_entries(TABLE))
 def test_planned_times_hold(name, entry):
     """A change that moves a fixed config's planned step time by more than 3% fails here, naming the
     config and the kernels that moved. FASTPT_UPDATE_PLANS=1 writes the new values instead."""
@@ -177,7 +173,7 @@ def test_planned_times_hold(name, entry):
 @pytest.mark.parametrize("gpu", ["h100-80", "h200"])
 def test_the_compiled_step_plans_faster_than_the_eager_one(gpu):
     """The mission's 'eager vs compiled in CI', for a GPU: the 0.04b preset, its default batch."""
-    eager, compiled = (plan_of("--preset", "0.04b", "--plan-gpu", gpu, *extra) for extra in ((), ("--compile",)))
+    eager, compiled = (plan_of("--preset", "0.04b", *extra, "--plan-gpu", gpu) for extra in ((), ("--compile",)))
     t_eager, t_compiled = eager.step_time(), compiled.step_time()
     assert t_compiled.seconds < t_eager.seconds, (t_eager.kernels[:8], t_compiled.kernels[:8])
     assert t_compiled.launches < t_eager.launches

@@ -122,6 +122,8 @@ class KernelTrace(TorchDispatchMode):
             cost, label = graph_kernel(lowered[0], node), fused_label(lowered[0], node)
         else:
             cost, label = op_cost(func, args, kwargs, out), short_name(func, cost_shape(func, args))
+            if cost.kind == "attention":  # the CPU's flash op stands for CUDA's
+                label = "flash attention" + (" backward" if cost.backward else "")
         if in_graph:
             cpu = 0.0 if cost.kind == "free" else CUDA_GRAPH_KERNEL_US if self.cuda_graphs else COMPILED_KERNEL_US
         else:
