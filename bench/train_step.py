@@ -230,13 +230,14 @@ def planned(setup: Setup, mode: Mode) -> dict:
                 planner.trace_steps(mem, run.step, run.model, [run.optimizer])
         finally:
             run.loader.close()
-    ops = [op for op in timed.ops if op.step == max(op.step for op in timed.ops)]
+    step = max(op.step for op in timed.ops)
+    ops = [op for op in timed.ops if op.step == step]
     log = timing.KernelLog(ops, setup.grad_accum, setup.grad_accum, 1, run.tokens_per_step)
-    step = timing.step_time(log, gpus.speed_of(planned_card()))
+    planned_step = timing.step_time(log, gpus.speed_of(planned_card()))
     return {
         "planned_gib": planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30,
-        "planned_step_ms": step.seconds * 1e3,
-        "planned_tok_s": step.tok_s,
+        "planned_step_ms": planned_step.seconds * 1e3,
+        "planned_tok_s": planned_step.tok_s,
     }
 
 

@@ -222,7 +222,8 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
 
 def kernel_log(timed: timing.KernelTrace, plan: Plan, ddp_buckets: list[int]) -> timing.KernelLog:
     """The last traced step's launches, and what the run's step repeats of them."""
-    last = [op for op in timed.ops if op.step == max(op.step for op in timed.ops)]
+    step = max(op.step for op in timed.ops)
+    last = [op for op in timed.ops if op.step == step]
     tokens = plan.cfg.micro_batch * plan.seq_len * plan.cfg.grad_accum * plan.world_size
     micro_steps = step_config(plan.cfg).grad_accum
     return timing.KernelLog(last, micro_steps, plan.cfg.grad_accum, plan.world_size, tokens, ddp_buckets)
