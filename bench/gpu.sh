@@ -8,7 +8,8 @@
 # baseline, and each kernel its peers), then the GPU tests, then the levers, each beside its
 # reference row; suites only when named):
 #   train    python -m bench on 0.04b: eager, compiled, compiled+kernels, baseline (32 x 1024, accum 2),
-#            each mode's measured peak beside fastpt.plan's planned one (and the measured CUDA context)
+#            each mode's measured peak beside fastpt.plan's planned one (and the measured CUDA context),
+#            and its measured tok/s beside the planned one on this card (fastpt.plan.timing)
 #   kernels  python -m bench kernels: fastpt vs torch eager / torch.compile / peers, with floors
 #   modes    0.04b at 64 x 1024, accum 1 (CUDA graphs need accum 1): compiled+kernels, + CUDA graphs
 #            (reduce-overhead), + autotune (max-autotune-no-cudagraphs), + both (max-autotune)

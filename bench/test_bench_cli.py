@@ -75,7 +75,9 @@ def test_train_step_cli_rows_and_agreeing_losses(tmp_path, capsys, monkeypatch):
     for r in rows:
         assert ROW_FIELDS <= r.keys()
         assert r["tok_s"] > 0 and r["peak_mem_gib"] >= 0 and r["mfu"] is None  # no MFU on CPU
+        assert r["planned_tok_s"] == pytest.approx(r["tokens_per_step"] / r["planned_step_ms"] * 1e3)
         assert r["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)
+    assert "planned tok/s" in stdout and rows[1]["planned_step_ms"] < rows[0]["planned_step_ms"]
 
 
 def test_kernel_cli_rows(tmp_path, capsys):

@@ -56,7 +56,7 @@ from fastpt.hf import write_json
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer
-from fastpt.plan import gpus, planner
+from fastpt.plan import gpus, planner, timing
 from fastpt.presets import model_config
 from fastpt.profiling import compiled_graphs
 from fastpt.step import Net, train_step
@@ -215,19 +215,34 @@ def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return module if next(module.parameters()).device == device else module.to(device)
 
 
-def planned_peak(setup: Setup, mode: Mode) -> float | None:
-    """GiB: what fastpt.plan plans torch.cuda.max_memory_allocated to be for this mode's step on a
-    GPU: the bench's own build (the baseline peer too) traced by the planner's fake_run, trace_steps
-    and peak_of (None for CUDA graphs, whose pools it does not model)."""
+def planned(setup: Setup, mode: Mode) -> dict:
+    """What fastpt.plan predicts for this mode's step on a GPU, the same build traced over fake
+    tensors: torch.cuda.max_memory_allocated (GiB) and the step's time on planned_card() (ms, tok/s);
+    nothing for CUDA graphs, whose pools it does not model."""
     if mode.compile_mode in CUDA_GRAPH_MODES:
-        return None
+        return {}
     with planner.fake_run("cuda", 1, mode.compile) as (_, mem):
         run = build(dataclasses.replace(setup, device="cpu"), mode, "triton" if mode.kernels else "torch")
         try:
-            planner.trace_steps(mem, run.step, run.model, [run.optimizer], "cuda")
+            with timing.KernelTrace(mem) as timed:
+                planner.trace_steps(mem, run.step, run.model, [run.optimizer], "cuda")
         finally:
             run.loader.close()
-    return planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30
+    step = max(op.step for op in timed.ops)
+    ops = [op for op in timed.ops if op.step == step]
+    log = timing.KernelLog(ops, setup.grad_accum, setup.grad_accum, 1, run.tokens_per_step)
+    planned_step = timing.step_time(log, gpus.speed_of(planned_card()))
+    return {
+        "planned_gib": planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30,
+        "planned_step_ms": planned_step.seconds * 1e3,
+        "planned_tok_s": planned_step.tok_s,
+    }
+
+
+def planned_card() -> gpus.Card:
+    """The card a step's time is planned on: this machine's GPU where it has a known one, else an H100."""
+    here = gpus.card("") if torch.cuda.is_available() else None
+    return here if here is not None and gpus.speed_of(here) else gpus.card("h100-80")
 
 
 def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
@@ -266,8 +281,7 @@ def measure(setup: Setup, mode: Mode, steps: int, warmup: int) -> dict:
         "flops_per_token": run.flops_per_token,
         "tokens_per_step": run.tokens_per_step,
         "cpu_threads": torch.get_num_threads(),
-        "planned_gib": planned_peak(setup, mode) if setup.plan else None,  # after the timing: CPU work
-    }
+    } | (planned(setup, mode) if setup.plan else {})  # after the timing: CPU work
 
 
 def measure_isolated(setup: Setup, mode: Mode, steps: int, warmup: int, timeout: float | None) -> dict:
@@ -354,6 +368,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         "step ms",
         "peak GiB",
         "planned GPU peak",
+        "planned tok/s",
         "MFU",
         "MFU vs matmul",
         "loss",
@@ -376,6 +391,7 @@ def markdown(rows: list[dict], info: dict) -> str:
                 f"{r['step_ms']:.1f}",
                 f"{r['peak_mem_gib']:.2f}",
                 planned_vs_measured(r, info["device"]),
+                planned_vs_measured(r, info["device"], "planned_tok_s", "tok_s"),
                 fmt(r["mfu"], ".2f"),
                 fmt(r["mfu_matmul"], ".2f"),
                 f"{r['loss']:.5f}",
@@ -386,6 +402,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         )
     mem = "CUDA max_memory_allocated" if info["device"] == "cuda" else "peak RSS growth of the mode's process"
     mem += "; planned GPU peak = fastpt.plan's max_memory_allocated for the step on a GPU, traced on the CPU"
+    mem += f"; planned tok/s = fastpt.plan.timing's for the step on {planned_card().name}"
     with_kernels = any("+kernels" in r["mode"] for r in rows)
     note = kernel_rows_note(torch.device(info["device"]), "+kernels rows") if with_kernels else ""
     return f"{head}\n\n{markdown_table(header, table)}\n\npeak GiB = {mem}; new graphs = compiles after warm-up" + (
@@ -393,14 +410,15 @@ def markdown(rows: list[dict], info: dict) -> str:
     )
 
 
-def planned_vs_measured(row: dict, device: str) -> str:
-    """The planned GiB; on a GPU also its difference from the measured peak."""
-    planned = row.get("planned_gib")
+def planned_vs_measured(row: dict, device: str, key: str = "planned_gib", measured: str = "peak_mem_gib") -> str:
+    """The planned GiB (or tok/s); on a GPU also its difference from the measured one."""
+    planned = row.get(key)
     if planned is None:
         return "–"
+    text = f"{planned:.2f}" if key == "planned_gib" else f"{planned:,.0f}"
     if device != "cuda":
-        return f"{planned:.2f}"
-    return f"{planned:.2f} ({100 * (planned / row['peak_mem_gib'] - 1):+.1f}%)"
+        return text
+    return f"{text} ({100 * (planned / row[measured] - 1):+.1f}%)"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

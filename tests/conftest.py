@@ -23,6 +23,15 @@ REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
+def table_entries(table: Path) -> list:
+    """A committed table of planned configs (tests/planned_*.json) as test parameters, its slow ones marked."""
+    entries = json.loads(table.read_text())["plans"]
+    return [
+        pytest.param(name, entry, marks=[pytest.mark.slow] if entry.get("slow") else [], id=name)
+        for name, entry in entries.items()
+    ]
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Byte-level shards over the project's own sources: real text, made locally, in seconds."""

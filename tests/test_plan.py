@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import REPO, read_metrics, run_main
+from conftest import REPO, read_metrics, run_main, table_entries
 from fastpt import train
 from fastpt.cli import parse_args
 from fastpt.config import resolve
@@ -539,15 +539,7 @@ def test_training_with_micro_batch_auto(tiny_data, tmp_path, capsys):
 # ---- the committed table of planned GPU peaks
 
 
-def table_entries() -> list:
-    entries = json.loads(TABLE.read_text())["plans"]
-    return [
-        pytest.param(name, entry, marks=[pytest.mark.slow] if entry.get("slow") else [], id=name)
-        for name, entry in entries.items()
-    ]
-
-
-@pytest.mark.parametrize("name, entry", table_entries())
+@pytest.mark.parametrize("name, entry", table_entries(TABLE))
 def test_planned_peaks_hold(name, entry):
     """A change that moves a fixed config's planned GPU peak by more than 2% fails here, naming it:
     GPU memory regressions caught without a GPU. FASTPT_UPDATE_PLANS=1 writes the new value instead

@@ -147,6 +147,7 @@ class LoweredGraph(torch.fx.Interpreter):
         trace = active_trace()
         if trace is None:
             return super().run_node(n)
+        trace.lowered = (self.lowering, n)  # for plan.timing: the node whose ops run now
         if n in self.lowering.fused:
             trace.fusing = True
             try:

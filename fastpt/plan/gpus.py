@@ -131,3 +131,50 @@ def scratch_table() -> dict:
 def machine_card() -> Card:
     """This machine's memory, the card of a plan for a CPU run."""
     return Card("this machine's memory", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+# ---- how fast a card is (the step-time plan, plan.timing)
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A card's speed, from its vendor's data sheet (docs/performance.md names each), and the share
+    of it that a large kernel reaches: measured where this project measured the card, else assumed."""
+
+    bf16_tflops: float  # dense bf16 / fp16 tensor-core TFLOP/s with fp32 accumulate (PyTorch's)
+    tf32_tflops: float  # dense TF32 tensor-core TFLOP/s
+    fp32_tflops: float  # fp32 without tensor cores (PyTorch's default for fp32 matmuls)
+    hbm_gbs: float  # memory bandwidth, GB/s
+    sms: int  # streaming multiprocessors
+    link_gbs: float  # GPU-to-GPU bandwidth per direction, GB/s (NVLink, else PCIe)
+    link: str
+    matmul_eff: float  # a large bf16 matmul's share of bf16_tflops
+    copy_eff: float  # a large device copy's share of hbm_gbs
+    measured: str = ""  # where matmul_eff and copy_eff were measured ('' : assumed)
+
+
+# H200: measured by this project on 2026-11-30 (693-707 TFLOP/s bf16 matmul, 4.22 TB/s copy); the
+# H100 SXM has the same GH100 compute and clocks, so its matmul share is the H200's.
+SPEEDS = {
+    "h100-80": Speed(989.4, 494.7, 66.9, 3350, 132, 450, "NVLink 4", 0.708, 0.85),
+    "h200": Speed(989.4, 494.7, 66.9, 4800, 132, 450, "NVLink 4", 0.708, 0.879, "H200, 2026-11-30"),
+    "a100-40": Speed(312, 156, 19.5, 1555, 108, 300, "NVLink 3", 0.80, 0.85),
+    "a100-80": Speed(312, 156, 19.5, 2039, 108, 300, "NVLink 3", 0.80, 0.85),
+    "l4": Speed(121, 60, 30.3, 300, 58, 32, "PCIe 4.0 x16", 0.75, 0.85),
+    "4090": Speed(165.2, 82.6, 82.6, 1008, 128, 25, "PCIe 4.0 x16, no P2P", 0.75, 0.85),
+}
+
+
+def speed_of(gpu: Card) -> Speed | None:
+    """The speed of a named card (a --plan-gpu name, or this machine's GPU by its CUDA name); None
+    for a card given by its size or one not in SPEEDS."""
+    for key, (name, _) in GPUS.items():
+        if gpu.name == name:
+            return SPEEDS[key]
+    cuda_name = gpu.name.upper()
+    for key, model in (("h200", "H200"), ("h100-80", "H100"), ("l4", " L4"), ("4090", "4090")):
+        if model in cuda_name:
+            return SPEEDS[key]
+    if "A100" in cuda_name:
+        return SPEEDS["a100-80" if gpu.total > 48 * GIB else "a100-40"]
+    return None

@@ -39,15 +39,15 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastpt import distributed, kernels
-from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, check_runtime, load_toml, resolve
+from fastpt.config import AUTO, CPU_PROFILE, CUDA_GRAPH_MODES, TrainConfig, check_runtime, load_toml, resolve
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_atomic
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
-from fastpt.plan import torch_internals
+from fastpt.plan import timing, torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
-from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, card, cublas_workspaces, machine_card, scratch_table
+from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, card, cublas_workspaces, machine_card, scratch_table, speed_of
 from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
 from fastpt.plan.torch_internals import fsdp_params
 from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
@@ -150,6 +150,12 @@ class Plan:
     card: Card | None = None
     seconds: float = 0.0
     trace: MemoryTrace | None = field(default=None, repr=False)  # every storage's life, for a closer look
+    kernels: timing.KernelLog | None = field(default=None, repr=False)  # every launch, for the step time
+
+    def step_time(self) -> timing.StepTime | None:
+        """The step's time on the card (None for a CPU run, or a card without a known speed)."""
+        speed = self.card and self.target == "cuda" and speed_of(self.card)
+        return timing.step_time(self.kernels, speed) if speed and self.kernels else None
 
     @property
     def card_bytes(self) -> int:
@@ -224,12 +230,25 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
             mem.lives += ddp_buckets(net.raw, mem.round_to)
         loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
         step = lambda: train_step(net, loader, step_config(cfg), d)
-        trace_steps(mem, step, net.raw, net.optimizers, target)
+        cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+        with timing.KernelTrace(mem, cuda_graphs) as timed:
+            trace_steps(mem, step, net.raw, net.optimizers, target)
         params = net.raw.num_params()
     for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
         life.nbytes = 0 if life.kind == "gradients" else life.nbytes
     peak = peak_of(mem, target, micro_steps)
-    return Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
+    plan = Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
+    plan.kernels = kernel_log(timed, plan, [life.shape[0] for life in mem.lives if life.kind == "DDP gradient buckets"])
+    return plan
+
+
+def kernel_log(timed: timing.KernelTrace, plan: Plan, ddp_buckets: list[int]) -> timing.KernelLog:
+    """The last traced step's launches, and what the run's step repeats of them."""
+    step = max(op.step for op in timed.ops)
+    last = [op for op in timed.ops if op.step == step]
+    tokens = plan.cfg.micro_batch * plan.seq_len * plan.cfg.grad_accum * plan.world_size
+    micro_steps = step_config(plan.cfg).grad_accum
+    return timing.KernelLog(last, micro_steps, plan.cfg.grad_accum, plan.world_size, tokens, ddp_buckets)
 
 
 DDP_BUCKET_BYTES = (2**20, 25 * 2**20)  # DDP's first bucket, then bucket_cap_mb's default
@@ -342,6 +361,13 @@ def describe(plan: Plan) -> list[str]:
         spare = plan.card.usable - plan.card_bytes
         verdict = "fits" if spare >= 0 else "does NOT fit"
         lines.append(f"{verdict} {plan.card}: {gib(abs(spare))} {'to spare' if spare >= 0 else 'short'}")
+    if cuda and plan.card is not None:
+        step = plan.step_time()
+        lines += (
+            timing.describe(step, plan.card.name, cfg.max_steps, cfg.compile)
+            if step
+            else [f"step time: {plan.card} has no known speed; give one of the named --plan-gpu cards to plan it"]
+        )
     took = command_seconds()
     lines.append(f"planned in {plan.seconds:.1f} s" + (f" (the whole command so far: {took:.1f} s)" if took else ""))
     return lines
@@ -375,6 +401,8 @@ def to_json(plan: Plan) -> dict:
         out.update(gpu=plan.card.name, gpu_gib=plan.card.total / GIB, fits=plan.fits())
         if plan.card.free is not None:
             out.update(gpu_free_gib=plan.card.free / GIB)
+    if step := plan.step_time():
+        out.update(timing.to_json(step))
     return out
 
 
