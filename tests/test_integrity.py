@@ -86,7 +86,7 @@ def tensor_data_offset(path: Path) -> int:
 def shard_data_offset(folder: Path) -> tuple[Path, int]:
     """A DCP folder's shard file holding its largest model tensor, and the middle of that tensor's
     bytes in it (from the folder's own metadata)."""
-    storage = checkpoint.SafeReader(folder).read_metadata().storage_data
+    storage = checkpoint._safe_dcp()[0](folder).read_metadata().storage_data
     index, info = max(
         ((i, s) for i, s in storage.items() if i.fqn.startswith("model.")), key=lambda item: item[1].length
     )

@@ -29,7 +29,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -94,6 +93,8 @@ class KernelTrace(TorchDispatchMode):
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor  # here, not at the top: ~1 s of fastpt.train's start-up
+
         if any(t is DTensor for t in types):
             return NotImplemented
         kwargs = kwargs or {}
