@@ -86,6 +86,9 @@ class MemoryTrace(TorchDispatchMode):
 
     def __init__(self, round_to: Callable[[int], int] = int, scratch: dict | None = None, labels: dict | None = None):
         super().__init__()
+        from torch.distributed.tensor import DTensor  # here, not at the top: ~1 s of fastpt.train's start-up
+
+        self._dtensor = DTensor  # once per trace, not once per op
         self.round_to, self.scratch, self.labels = round_to, scratch or {}, labels or {}
         self.lives: list[Life] = []
         self.by_storage: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -103,8 +106,6 @@ class MemoryTrace(TorchDispatchMode):
         return True  # off while torch.compile traces, on while its graphs run
 
     def __enter__(self) -> MemoryTrace:
-        # torch.distributed.tensor is imported here, not at the top: ~1 s of fastpt.train's start-up.
-
         self._hooks = (
             register_optimizer_step_pre_hook(lambda *_: setattr(self, "_in_optimizer", True)),
             register_optimizer_step_post_hook(lambda *_: setattr(self, "_in_optimizer", False)),
@@ -161,9 +162,7 @@ class MemoryTrace(TorchDispatchMode):
         self.steps.append(self.event)
 
     def _lives_of(self, t: torch.Tensor, phase: str, op: str, create: bool) -> list[Life]:
-        from torch.distributed.tensor import DTensor
-
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if isinstance(t, self._dtensor) else t
         lives = []
         for st in storages(t):
             life = self.by_storage.get(st)
@@ -198,9 +197,7 @@ class MemoryTrace(TorchDispatchMode):
         return self._phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(t is DTensor for t in types):
+        if any(t is self._dtensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which are the real allocations
         if func is torch.ops._c10d_functional.wait_tensor.default:
             out = args[0]  # its fake returns a new tensor; on a device it waits in place

@@ -72,6 +72,9 @@ class KernelTrace(TorchDispatchMode):
 
     def __init__(self, mem: MemoryTrace, cuda_graphs: bool = False):
         super().__init__()
+        from torch.distributed.tensor import DTensor  # here, not at the top: ~1 s of fastpt.train's start-up
+
+        self._dtensor = DTensor  # once per trace, not once per op
         self.mem, self.cuda_graphs = mem, cuda_graphs
         self.ops: list[Op] = []
         self._step, self._micro, self._last, self._in_optimizer, self._hooks = -1, 1, "forward", False, ()
@@ -93,9 +96,7 @@ class KernelTrace(TorchDispatchMode):
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor  # here, not at the top: ~1 s of fastpt.train's start-up
-
-        if any(t is DTensor for t in types):
+        if any(t is self._dtensor for t in types):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
