@@ -15,8 +15,8 @@
 #            (reduce-overhead), + autotune (max-autotune-no-cudagraphs), + both (max-autotune)
 #   scale    0.35b (16 x 2048): compiled+kernels with and without activation checkpointing (full, selective)
 #   float8   1b (8 x 2048): compiled+kernels with and without torchao float8 linears
-#   tests    pytest -m gpu tests/   (kernels in bf16, compile, CUDA graphs, profiler, float8 numerics)
-#   suites   pytest -m gpu bench/   (pytest-benchmark suites, JSON)
+#   tests    pytest -n0 -m gpu tests/ (kernels in bf16, compile, CUDA graphs, profiler, float8 numerics)
+#   suites   pytest -n0 -m gpu bench/ (pytest-benchmark suites, JSON)
 # Each section gets at most its own limit and what is left of BENCH_BUDGET_S (default 450 s), so
 # the call ends in time even when a compile is slow; skipped or failed sections are listed in
 # summary.md (run them by name in a second call). A bench section passes its limit on as
@@ -82,7 +82,7 @@ run() {
 run train 220 "$py" -m bench --preset 0.04b --modes eager,compiled,compiled+kernels,baseline \
     --steps 20 --mode-timeout 110 --time-budget {limit} --json "$out/train.json"
 run kernels 120 "$py" -m bench kernels --json "$out/kernels.json"
-run tests 100 "$py" -m pytest -q -m gpu tests -p no:cacheprovider
+run tests 100 "$py" -m pytest -q -n0 -m gpu tests -p no:cacheprovider
 # The levers, each beside its reference row; within a section the cheaper lever first.
 run modes 110 "$py" -m bench --preset 0.04b --micro-batch 64 --grad-accum 1 --modes \
     compiled+kernels,compiled+kernels+cudagraphs,compiled+kernels+autotune,compiled+kernels+autotune+cudagraphs \
@@ -91,7 +91,7 @@ run scale 100 "$py" -m bench --preset 0.35b --modes compiled+kernels,compiled+ke
     --steps 10 --mode-timeout 90 --time-budget {limit} --json "$out/scale.json"
 run float8 90 "$py" -m bench --preset 1b --modes compiled+kernels,compiled+kernels+float8 \
     --steps 10 --mode-timeout 90 --time-budget {limit} --json "$out/float8.json"
-run suites 150 "$py" -m pytest -q -m gpu bench -p no:cacheprovider --benchmark-enable --benchmark-json "$out/suites.json"
+run suites 150 "$py" -m pytest -q -n0 -m gpu bench -p no:cacheprovider --benchmark-enable --benchmark-json "$out/suites.json"
 
 write_summary
 cat "$out/summary.md"

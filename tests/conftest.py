@@ -23,6 +23,18 @@ REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)
 
 
+def update_table(table: Path, name: str, **values: object) -> None:
+    """FASTPT_UPDATE_PLANS's rewrite of one entry of a committed table, under a lock: the suite's
+    workers (pytest-xdist) each rewrite their own entries of the same file."""
+    import fcntl
+
+    with open(table.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = json.loads(table.read_text())
+        entries["plans"][name].update(values)
+        table.write_text(json.dumps(entries, indent=2, ensure_ascii=False) + "\n")
+
+
 def table_entries(table: Path) -> list:
     """A committed table of planned configs (tests/planned_*.json) as test parameters, its slow ones marked."""
     entries = json.loads(table.read_text())["plans"]

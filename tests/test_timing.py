@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 
 import pytest
 import torch
 
-from conftest import REPO, table_entries
+from conftest import REPO, table_entries, update_table
 from fastpt.cli import parse_args
 from fastpt.plan import gpus, planner, timing
 from fastpt.plan.flops import Cost
@@ -152,9 +151,7 @@ def test_planned_times_hold(name, entry):
     step = plan_of(*entry["flags"].split()).step_time()
     kernels = {f"{k.label} ({k.phase})": round(k.seconds * 1e6, 1) for k in step.kernels[:8]}
     if os.environ.get("FASTPT_UPDATE_PLANS"):
-        table = json.loads(TABLE.read_text())
-        table["plans"][name].update(step_ms=round(step.seconds * 1e3, 3), kernels_us=kernels)
-        TABLE.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n")
+        update_table(TABLE, name, step_ms=round(step.seconds * 1e3, 3), kernels_us=kernels)
         return
     change = step.seconds * 1e3 / entry["step_ms"] - 1
     moved = [
