@@ -120,6 +120,21 @@ def check_args(args: argparse.Namespace) -> None:
         if spec not in ("default", "shakespeare") and not (Path(spec) / "meta.json").is_file():
             raise UsageError(f"--corpora: {spec!r} is not 'default', 'shakespeare' or a prepared folder (no meta.json)")
     check_fitted("--train-args", shlex.split(args.train_args))
+    given_multipliers(args)
+
+
+def given_multipliers(args: argparse.Namespace) -> dict[str, float]:
+    """--multiplier NAME=M: recipes whose LR multiplier is given, not swept (one line on a bad one)."""
+    given = {}
+    for spec in args.multiplier:
+        name, sep, value = spec.partition("=")
+        if not (sep and name):
+            raise UsageError(f"--multiplier {spec!r} is not NAME=M")
+        values = numbers(f"--multiplier {name}", value)
+        if len(values) != 1:
+            raise UsageError(f"--multiplier {name} {value!r}: one number")
+        given[name] = values[0]
+    return given
 
 
 def check_fitted(source: str, flags: list[str]) -> None:
@@ -148,6 +163,8 @@ def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
             raise UsageError(f"--recipe {spec!r} is not NAME=FLAGS")
         chosen[name] = shlex.split(flags)
         check_fitted(f"recipe {name!r}", chosen[name])
+    if unknown := set(given_multipliers(args)) - set(chosen):
+        raise UsageError(f"--multiplier names {', '.join(sorted(unknown))}: not a recipe of this race")
     if next(iter(chosen), None) != "seed":
         raise UsageError("the seed recipe runs first (--recipes seed,...)")
     seed_lr = str(resolve(common_flags(args, CHECK_STEPS), args.device).lr)
@@ -301,10 +318,15 @@ class Race:
         """Every recipe at every budget, the target, and the best combination of what beat the seed."""
         check_recipes(chosen, self.args, self.budgets[0][1])
         mults, swept = numbers("--multipliers", self.args.multipliers), self.args.sweep.split(",")
+        given = given_multipliers(self.args)
         rows: dict[str, dict | None] = {}
         for name, flags in chosen.items():
             base = rows.get(BASE.get(name, "seed"))
-            rows[name] = self.recipe(name, flags, mults if name in swept or base is None else [base["multiplier"]])
+            if name in given:
+                tried = [given[name]]
+            else:
+                tried = mults if name in swept or base is None else [base["multiplier"]]
+            rows[name] = self.recipe(name, flags, tried)
             if rows["seed"] is None:
                 raise SystemExit(f"bench race: the seed recipe failed on {self.data}: {self.runs[-1]['error']}")
         combo = best_combination(rows)
@@ -443,6 +465,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--seeds", type=int, default=3, help="seeds of every budget at the chosen LR (default: %(default)s)")
     add(
         "--multipliers", default="0.5,1,2", help="LR multipliers of the sweep at the full budget (default: %(default)s)"
+    )
+    add(
+        "--multiplier",
+        action="append",
+        default=[],
+        metavar="NAME=M",
+        help="a recipe's LR multiplier, given instead of swept (e.g. an earlier race's best at another "
+        "budget; repeatable)",
     )
     add(
         "--widen",

@@ -51,6 +51,10 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
         (["--widen", "-1"], "--widen -1: must be at least 0"),
         (["--speed-steps", "0"], "--speed-steps 0: must be at least 1"),
         (["--warmup-fraction", "1"], "--warmup-fraction 1: must be in [0, 1)"),
+        (["--multiplier", "muon"], "--multiplier 'muon' is not NAME=M"),
+        (["--multiplier", "muon=-1"], "--multiplier muon '-1': every value must be > 0"),
+        (["--multiplier", "muon=1,2"], "--multiplier muon '1,2': one number"),
+        (["--recipes", "seed", "--multiplier", "muon=2"], "--multiplier names muon: not a recipe of this race"),
         (["--corpora", "default,/no/such/folder"], "--corpora: '/no/such/folder' is not 'default', 'shakespeare'"),
     ],
 )
@@ -211,6 +215,11 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
     quarter, half = (b["tokens"] for b in muon["budgets"][:2])
     assert quarter < muon["tokens_to_target"] < half and muon["vs_seed"]["beats"] and r["best"]["members"] == ["muon"]
     assert muon["seconds_vs_seed"] == pytest.approx(2 * muon["tokens_vs_seed"])  # half the seed's tok/s
+    given = ["--multiplier", "seed=2", "--multiplier", "muon=1", "--work", str(tmp_path / "given")]
+    assert race.main([*argv, *given, "--save", str(tmp_path / "given-out")]) == 0
+    (g,) = json.loads((tmp_path / "given-out" / "race.json").read_text())["corpora"].values()
+    assert {(x["recipe"], x["multiplier"]) for x in g["runs"]} == {("seed", 2), ("muon", 1)}  # no sweep
+    assert len(g["runs"]) == 2 * 3 * 3 and not any(row["lr_at_edge"] for row in g["rows"])
     md = (tmp_path / "out" / "race.md").read_text()
     for needed in (
         "Target: the seed's mean final val loss at the full budget",
