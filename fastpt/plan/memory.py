@@ -110,10 +110,9 @@ class MemoryTrace(TorchDispatchMode):
             register_optimizer_step_pre_hook(lambda *_: setattr(self, "_in_optimizer", True)),
             register_optimizer_step_post_hook(lambda *_: setattr(self, "_in_optimizer", False)),
         )
-        # DTensor works out each new op's output shape by running it on global-shape fake tensors,
-        # inside this context manager of its own (a no-op by default): those are not memory.
-        self._propagation = torch_internals.sharding_propagation_lock()
-        torch_internals.set_sharding_propagation_lock(_Paused(self))
+        # DTensor works out each new op's output shape by running it on global-shape fake tensors:
+        # those are not memory.
+        self._unpause = torch_internals.pause_in_sharding_propagation(lambda: _Paused(self))
         # FSDP frees and refills its unsharded parameters' storages with resize_, which no mode sees.
         resize = self._resize = torch.UntypedStorage.resize_
 
@@ -129,7 +128,7 @@ class MemoryTrace(TorchDispatchMode):
 
         for hook in self._hooks:
             hook.remove()
-        torch_internals.set_sharding_propagation_lock(self._propagation)
+        self._unpause()
         torch.UntypedStorage.resize_ = self._resize
         super().__exit__(*exc)
 

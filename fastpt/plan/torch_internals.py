@@ -2,9 +2,9 @@
 renames one fails tests/test_plan.py::test_private_torch_apis_resolve, which names it (PRIVATE),
 before a plan comes out quietly wrong.
 
-- DTensor's shape propagation runs ops on global-shape fake tensors inside
-  ShardingPropagator._fake_mode_lock (a no-op context manager by default): memory.MemoryTrace
-  swaps in its own to record nothing there;
+- DTensor's shape propagation runs ops on global-shape fake tensors in
+  ShardingPropagator._propagate_tensor_meta_non_cached (torch 2.11 and 2.13 alike; 2.13 also has a
+  lock around it, 2.11 none): memory.MemoryTrace wraps it to record nothing there;
 - torch.UntypedStorage.resize_, which FSDP2 uses to free and refill unsharded parameters and no
   dispatch mode sees: patched while a trace records;
 - FSDP2's records of its parameters (module._get_fsdp_state()._fsdp_param_group.fsdp_params, each
@@ -20,7 +20,8 @@ before a plan comes out quietly wrong.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -42,12 +43,13 @@ def annotated(module: str, cls: str, field: str) -> object:
 FSDP = "torch.distributed.fsdp._fully_shard."
 # What test_private_torch_apis_resolve looks up, by the name it reports when one has moved.
 PRIVATE = {
-    "ShardingPropagator._fake_mode_lock": lambda: attr(
-        "torch.distributed.tensor._sharding_prop", "ShardingPropagator._fake_mode_lock"
+    "ShardingPropagator._propagate_tensor_meta_non_cached": lambda: attr(
+        "torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_non_cached"
     ),
     "torch.UntypedStorage.resize_": lambda: attr("torch", "UntypedStorage.resize_"),
     "FSDPModule._get_fsdp_state": lambda: attr("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"),
-    "FSDPState._fsdp_param_group": lambda: attr(FSDP + "_fsdp_state", "FSDPState._fsdp_param_group"),
+    # set in __init__ in torch 2.11, a property over _fsdp_param_groups in 2.13
+    "FSDPState._fsdp_param_group": lambda: "self._fsdp_param_group" in inspect_source(FSDP + "_fsdp_state"),
     "FSDPParamGroup.fsdp_params": lambda: "self.fsdp_params" in inspect_source(FSDP + "_fsdp_param_group"),
     "FSDPParam.unsharded_accumulated_grad": lambda: annotated(
         FSDP + "_fsdp_param", "FSDPParam", "unsharded_accumulated_grad"
@@ -96,16 +98,18 @@ def missing() -> list[str]:
 # ---- the APIs, as fastpt.plan uses them
 
 
-def sharding_propagation_lock() -> object:
+def pause_in_sharding_propagation(pause: Callable[[], AbstractContextManager]) -> Callable[[], None]:
+    """Run DTensor's shape propagation on fake tensors inside `pause()`; returns the undo."""
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
-    return ShardingPropagator._fake_mode_lock
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
 
+    def paused(self, op_schema):
+        with pause():
+            return propagate(self, op_schema)
 
-def set_sharding_propagation_lock(lock: object) -> None:
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    ShardingPropagator._fake_mode_lock = lock
+    ShardingPropagator._propagate_tensor_meta_non_cached = paused
+    return lambda: setattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate)
 
 
 def in_backward() -> bool:
