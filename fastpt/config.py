@@ -32,7 +32,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --dtype names
-AUTO = "auto"  # micro_batch = "auto": the largest that fits the GPU, planned (fastpt/plan/planner.py)
+AUTO = "auto"  # micro_batch = "auto": the largest that fits the GPU, planned (fastpt/plan/fit.py)
 
 
 COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead")  # torch.compile's
@@ -225,7 +225,7 @@ class TrainConfig:
     seed: int = setting(1337, "seed for init and data order", domain=SEED)
     tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
     wandb: str = setting("", "Weights & Biases project to log to; '' = off")
-    # memory planning (fastpt/plan/planner.py)
+    # memory planning (fastpt/plan/planner.py; the --plan command and auto: fastpt/plan/fit.py)
     plan: bool = setting(False, "print the run's planned memory per GPU (its step over fake tensors) and exit")
     plan_json: str = setting("", "with --plan: also write the plan here as JSON")
     plan_gpu: str = setting(

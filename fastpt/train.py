@@ -27,7 +27,7 @@ from fastpt.errors import print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_folder
 from fastpt.optim import apply_schedule
-from fastpt.plan import planner
+from fastpt.plan import fit
 from fastpt.profiling import StepProbe
 from fastpt.step import Net, TrainState, build_model, train_step
 
@@ -151,12 +151,12 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
 
 def main(argv: list[str] | None = None) -> int:
     cli, config_file = parse_args(argv)
-    if planner.requested(cli, config_file):
-        return planner.main(cli, config_file)
+    if fit.requested(cli, config_file):
+        return fit.main(cli, config_file)
     device = pick_device(cli)
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
-    cfg, chosen = planner.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
+    cfg, chosen = fit.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
     d = distributed.setup(cfg.device)
     try:
         # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank

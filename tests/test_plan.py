@@ -19,7 +19,7 @@ from fastpt import train
 from fastpt.cli import parse_args
 from fastpt.config import resolve
 from fastpt.errors import ConfigError
-from fastpt.plan import gpus, planner, torch_internals
+from fastpt.plan import fit, gpus, planner, torch_internals
 from fastpt.plan.memory import ALIVE, CachingAllocator, Life, MemoryTrace, replay, sweep
 
 MIB = 2**20
@@ -276,12 +276,12 @@ def test_fsdp_reshard_grads_keeps_no_unsharded_gradients():
     assert keep.peak.parts["unsharded gradients"] == pytest.approx(4 * keep.params, rel=0.05)
     assert reshard.peak.parts.get("unsharded gradients", 0) == 0
     assert reshard.peak.bytes < keep.peak.bytes - 2 * keep.params
-    (line,) = planner.other_gradient_sync(keep)
+    (line,) = fit.other_gradient_sync(keep)
     assert line.startswith("reduce-scattering at every micro-step") and planner.gib(reshard.peak.bytes) in line
     shape = [*SMALL[:4], "--seq-len", "64", *flags[10:]]  # 16 sequences per step (tiny's micro-batch x 1)
     cfg, target = planner.planned_config(*parse_args([*shape, "--micro-batch", "auto"]))
     at1 = [plan_of(*shape, "--micro-batch", "1", "--grad-accum", "16", *r) for r in ((), ("--fsdp-reshard-grads",))]
-    chosen, why = planner.fit_micro_batch_fsdp(cfg, target, 4, gpus.card(card_between(at1[1], at1[0])))
+    chosen, why = fit.fit_micro_batch_fsdp(cfg, target, 4, gpus.card(card_between(at1[1], at1[0])))
     assert chosen.cfg.fsdp_reshard_grads and "with --fsdp-reshard-grads" in why
 
 
@@ -336,7 +336,7 @@ def test_replay_frees_merge_neighbours():
 
 def card_between(low: planner.Plan, high: planner.Plan) -> str:
     """A card size (GiB) that fits `low` and not `high`, with the fit margin."""
-    gib = (low.card_bytes + high.card_bytes) / 2 / (1 - planner.FIT_MARGIN) / 2**30
+    gib = (low.card_bytes + high.card_bytes) / 2 / (1 - fit.FIT_MARGIN) / 2**30
     return f"{gib:.6f}GiB"
 
 
@@ -348,8 +348,8 @@ def test_micro_batch_auto_picks_the_largest_that_fits():
     at16 = plan_of(*flags, "--micro-batch", "16", "--grad-accum", "1")
     cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1"])
     cfg, target = planner.planned_config(cli, config_file)
-    assert planner.config_sequences(cfg) == 16
-    chosen, why = planner.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at8, at16)))
+    assert fit.config_sequences(cfg) == 16
+    chosen, why = fit.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at8, at16)))
     assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (8, 2)
     assert chosen.peak.bytes == at8.peak.bytes
     assert "micro-batch auto: 8 x 2 accum = 16 sequences/step; the largest that fits a card of" in why
@@ -359,7 +359,7 @@ def test_micro_batch_auto_says_when_even_one_does_not_fit():
     with pytest.raises(
         ConfigError, match=r"even micro-batch 1 does not fit .* planned, peak .*activation-checkpointing full"
     ):
-        planner.main(parse_args([*SMALL[:4], "--micro-batch", "auto", "--plan", "--plan-gpu", "0.51"])[0], None)
+        fit.main(parse_args([*SMALL[:4], "--micro-batch", "auto", "--plan", "--plan-gpu", "0.51"])[0], None)
 
 
 def test_micro_batch_auto_keeps_the_sequences_when_a_divisor_fits():
@@ -370,7 +370,7 @@ def test_micro_batch_auto_keeps_the_sequences_when_a_divisor_fits():
     at8 = plan_of(*flags, "--micro-batch", "8", "--grad-accum", "2")
     cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1"])
     cfg, target = planner.planned_config(cli, config_file)
-    chosen, why = planner.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at6, at8)))
+    chosen, why = fit.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at6, at8)))
     assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (4, 4)
     assert "4 x 4 accum = 16 sequences/step; the largest divisor of 16 that fits" in why and "6 fits too" in why
 
@@ -378,10 +378,10 @@ def test_micro_batch_auto_keeps_the_sequences_when_a_divisor_fits():
 def test_exact_micro_batch_takes_a_divisor_unless_it_halves_the_batch():
     """The docs' case, 64 sequences where 22 fits: 16 x 4; where the best divisor is under half the
     largest that fits (14 sequences, 5 fits: divisor 2), the largest, and the nearest above."""
-    assert planner.exact_micro_batch(22, 64) == 16
-    assert planner.exact_micro_batch(6, 16) == 4
-    assert planner.exact_micro_batch(5, 14) == 5
-    assert planner.exact_micro_batch(7, 7) == 7
+    assert fit.exact_micro_batch(22, 64) == 16
+    assert fit.exact_micro_batch(6, 16) == 4
+    assert fit.exact_micro_batch(5, 14) == 5
+    assert fit.exact_micro_batch(7, 7) == 7
 
 
 def test_auto_line_says_what_set_the_limit_and_per_rank():
@@ -390,7 +390,7 @@ def test_auto_line_says_what_set_the_limit_and_per_rank():
     flags = ("--preset", "tiny", "--vocab-size", "512", "--seq-len", "64")
     cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1", "--plan-world-size", "2"])
     cfg, target = planner.planned_config(cli, config_file)
-    chosen, why = planner.fit_micro_batch(cfg, target, 2, gpus.card("80GiB"))
+    chosen, why = fit.fit_micro_batch(cfg, target, 2, gpus.card("80GiB"))
     assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (16, 1)
     assert "16 sequences/step per rank (global batch 32 sequences)" in why
     assert "the sequences per step set the limit, not a card of 80.0 GiB" in why and "to spare" in why
@@ -402,12 +402,12 @@ def test_fit_margin_covers_the_error_band_and_the_context():
     GPU (tests/planned_peaks.json's "measured", from issue 32), and no known card is smaller than the
     smallest the margin assumes."""
     for compiled, mode in ((False, "eager"), (True, "compiled")):
-        need = planner.PLAN_ERROR[mode] + planner.CONTEXT_SPREAD / planner.SMALLEST_CARD
-        assert planner.fit_margin(compiled) == math.ceil(100 * need) / 100
-    assert (planner.FIT_MARGIN, planner.fit_margin(True)) == (0.05, 0.12)
+        need = fit.PLAN_ERROR[mode] + fit.CONTEXT_SPREAD / fit.SMALLEST_CARD
+        assert fit.fit_margin(compiled) == math.ceil(100 * need) / 100
+    assert (fit.FIT_MARGIN, fit.fit_margin(True)) == (0.05, 0.12)
     for name, error in json.loads(TABLE.read_text())["measured"]["plan_error"].items():
-        assert -error <= planner.PLAN_ERROR[name.split()[0]], name
-    assert all(mib * MIB >= planner.SMALLEST_CARD for _, mib in gpus.GPUS.values())
+        assert -error <= fit.PLAN_ERROR[name.split()[0]], name
+    assert all(mib * MIB >= fit.SMALLEST_CARD for _, mib in gpus.GPUS.values())
 
 
 def test_unmodelled_warns_only_when_it_applies():
@@ -448,15 +448,15 @@ def test_own_gpu_is_the_ranks_own_and_its_free_memory(monkeypatch):
     plan = plan_of(*SMALL)
     big = SimpleNamespace(reserved=19 * 2**30)  # fits the card's total, not what is free
     plan.peak, plan.card = SimpleNamespace(**vars(plan.peak) | vars(big)), gpu
-    assert plan.card_bytes < 0.95 * gpu.total and not plan.fits(planner.FIT_MARGIN)
+    assert plan.card_bytes < 0.95 * gpu.total and not plan.fits(fit.FIT_MARGIN)
 
 
 def test_first_guess_keeps_tokens_or_goes_just_above():
     """1 GiB per sequence and a limit that holds 22: 64 sequences take 3 micro-steps (of 22)."""
     one = SimpleNamespace(card_bytes=2**30, cfg=SimpleNamespace(micro_batch=1))
     probe = SimpleNamespace(card_bytes=4 * 2**30, cfg=SimpleNamespace(micro_batch=4))
-    assert planner.guess_accum(one, probe, 64, 22.6 * 2**30) == 3
-    assert planner.guess_accum(one, probe, 16, 22.6 * 2**30) == 1
+    assert fit.guess_accum(one, probe, 64, 22.6 * 2**30) == 3
+    assert fit.guess_accum(one, probe, 16, 22.6 * 2**30) == 1
 
 
 # ---- the command line
@@ -484,7 +484,7 @@ def test_plan_keys_in_toml(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('plan = true\nplan_gpu = "24GiB"\nmicro_batch = "auto"\nplan_world_size = 2\nparallel = "fsdp"\n')
     cli, config_file = parse_args(["--config", str(toml)])
-    assert planner.requested(cli, config_file)
+    assert fit.requested(cli, config_file)
     cfg, target = planner.planned_config(cli, config_file)
     assert (cfg.micro_batch, cfg.plan_gpu, cfg.plan_world_size, target) == ("auto", "24GiB", 2, "cuda")
     assert gpus.card(cfg.plan_gpu).total == 24 * 2**30

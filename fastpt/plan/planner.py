@@ -1,5 +1,5 @@
 """Know before you rent: a run's GPU memory planned on any machine, by running its real step over
-fake tensors. `python -m fastpt.train --plan [the run's flags]`; `--micro-batch auto` uses the same.
+fake tensors. The command (`python -m fastpt.train --plan`) and `--micro-batch auto` are plan.fit.
 
 The config resolves as the run's would, then step.build_model builds the model, its compile and
 DDP / FSDP wrapping, its optimizers and precision under FakeTensorMode, and step.train_step runs
@@ -24,11 +24,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
-import math
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,37 +36,18 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastpt import distributed, kernels
-from fastpt.config import AUTO, CPU_PROFILE, CUDA_GRAPH_MODES, TrainConfig, check_runtime, load_toml, resolve
+from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, check_runtime, resolve
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
 from fastpt.errors import ConfigError
-from fastpt.files import os_reason, write_atomic
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
 from fastpt.plan import timing, torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
-from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, card, cublas_workspaces, machine_card, scratch_table, speed_of
+from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, cublas_workspaces, scratch_table, speed_of
 from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
 from fastpt.plan.torch_internals import fsdp_params
-from fastpt.presets import PRESET_BATCH, ModelConfig, model_config
+from fastpt.presets import ModelConfig, model_config
 from fastpt.step import build_model, train_step
-
-# --micro-batch auto leaves a fraction of the card free (fit_margin): the plan's error band
-# (PLAN_ERROR, the most a checked config was planned below its measured peak: eager 1.4%, compiled
-# 9-10% on an H200, tests/planned_peaks.json's "measured"), plus what the CUDA context may take
-# beyond its estimate (CONTEXT_SPREAD: 0.6 GiB at most against 0.5 GiB) on the smallest card fastpt
-# plans for (SMALLEST_CARD), rounded up to a whole percent: 5% eager, 12% compiled.
-PLAN_ERROR = {"eager": 0.03, "compiled": 0.10}
-CONTEXT_SPREAD = 0.1 * GIB
-SMALLEST_CARD = 8 * GIB
-
-
-def fit_margin(compiled: bool) -> float:
-    """The fraction of the card --micro-batch auto leaves free (the comment above)."""
-    return math.ceil(100 * (PLAN_ERROR["compiled" if compiled else "eager"] + CONTEXT_SPREAD / SMALLEST_CARD)) / 100
-
-
-FIT_MARGIN = fit_margin(compiled=False)
-
 
 # ---- the run, built over fake tensors
 
@@ -83,6 +61,15 @@ class FakeLoader:
 
     def next(self) -> Batch:
         return Batch(*(torch.randint(0, self.vocab_size, self.shape) for _ in range(2)))
+
+
+def planned_config(cli: dict, config_file: str | None) -> tuple[TrainConfig, str]:
+    """The run's config, resolved as the run would (for CUDA unless --device cpu), and the target."""
+    target = cli.get("device") or "cuda"
+    cfg = resolve(cli, config_file, target)
+    if target == "cpu":
+        check_runtime(cfg)  # a CPU run runs here: what this machine refuses, the plan refuses
+    return cfg, target
 
 
 def planned_model(cfg: TrainConfig) -> ModelConfig:
@@ -404,176 +391,3 @@ def to_json(plan: Plan) -> dict:
     if step := plan.step_time():
         out.update(timing.to_json(step))
     return out
-
-
-# ---- --micro-batch auto
-
-
-def config_sequences(cfg: TrainConfig) -> int:
-    """Sequences per optimizer step and rank that the config asks for: its micro-batch (the preset's,
-    or the CPU profile's, when it says auto) x grad_accum."""
-    micro = cfg.micro_batch
-    if micro == AUTO:
-        micro = CPU_PROFILE["micro_batch"] if cfg.device == "cpu" else PRESET_BATCH.get(cfg.preset, (16, 0))[0]
-    return micro * cfg.grad_accum
-
-
-def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
-    """The largest micro-batch whose plan fits the card with fit_margin free that divides the
-    config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
-    under half the largest that fits, that one with the nearest above; the plan at it, and what it
-    chose. The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first
-    guess, then the number of micro-steps moves by one until the fit is tight."""
-    if gpu is None:
-        raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
-    sequences = config_sequences(cfg)
-    plans: dict[int, Plan] = {}
-
-    def plan_at(micro: int) -> Plan:  # the plan at `micro`, with the fewest micro-steps that hold the sequences
-        if micro not in plans:
-            accum = -(-sequences // micro)
-            plans[micro] = trace(dataclasses.replace(cfg, micro_batch=micro, grad_accum=accum), target, world_size)
-            plans[micro].card = gpu
-        return plans[micro]
-
-    margin = fit_margin(cfg.compile)
-    fits = lambda micro: plan_at(micro).fits(margin)
-    one = plan_at(1)
-    if not fits(1):
-        raise ConfigError(
-            f"'micro_batch' = 'auto': even micro-batch 1 does not fit {gpu} ({gib(one.card_bytes)} planned, "
-            f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
-        )
-    # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
-    candidates = sorted({-(-sequences // accum) for accum in range(1, sequences + 1)})
-    accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
-    i = candidates.index(-(-sequences // accum))
-    while i + 1 < len(candidates) and fits(candidates[i + 1]):
-        i += 1
-    while i > 0 and not fits(candidates[i]):
-        i -= 1
-    largest = candidates[i]
-    micro = exact_micro_batch(largest, sequences)
-    best = plan_at(micro) if fits(micro) else plan_at(largest)
-    return best, chosen_line(best, sequences, largest, world_size)
-
-
-def reshards(cfg: TrainConfig, world_size: int) -> bool | None:
-    """Whether FSDP reduce-scatters at every micro-step (None when the choice does not apply: no
-    FSDP, one rank, or one micro-step)."""
-    return cfg.fsdp_reshard_grads if cfg.parallel == "fsdp" and world_size > 1 and cfg.grad_accum > 1 else None
-
-
-def fit_micro_batch_fsdp(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
-    """fit_micro_batch; under FSDP with accumulation, when keeping the unsharded gradients across
-    micro-steps leaves not even micro-batch 1 fitting, reduce-scattering at every one instead."""
-    try:
-        return fit_micro_batch(cfg, target, world_size, gpu)
-    except ConfigError:
-        accumulates = config_sequences(cfg) > 1  # micro-batch 1 takes that many micro-steps
-        if not (cfg.parallel == "fsdp" and world_size > 1 and accumulates and not cfg.fsdp_reshard_grads):
-            raise
-    plan, why = fit_micro_batch(dataclasses.replace(cfg, fsdp_reshard_grads=True), target, world_size, gpu)
-    return (
-        plan,
-        why + "; with --fsdp-reshard-grads (reduce-scatter every micro-step): the unsharded gradients do not fit",
-    )
-
-
-def other_gradient_sync(plan: Plan) -> list[str]:
-    """Under FSDP with accumulation, the peak with the other gradient sync: a line (else none)."""
-    now = reshards(plan.cfg, plan.world_size)
-    if now is None:
-        return []
-    other = trace(dataclasses.replace(plan.cfg, fsdp_reshard_grads=not now), plan.target, plan.world_size)
-    how = "reduce-scattering at every micro-step (--fsdp-reshard-grads)" if not now else "only at the last micro-step"
-    return [f"{how}: peak {gib(other.peak.bytes)}, the card needs {gib(other.card_bytes)}"]
-
-
-def exact_micro_batch(largest: int, sequences: int) -> int:
-    """The largest divisor of `sequences` up to `largest` (the step keeps its sequences exactly);
-    `largest` itself when that divisor is under half of it (more than twice the micro-steps)."""
-    divisor = max(d for d in range(1, largest + 1) if sequences % d == 0)
-    return divisor if 2 * divisor >= largest else largest
-
-
-def chosen_line(best: Plan, sequences: int, largest: int, world_size: int) -> str:
-    """What --micro-batch auto chose and what set it: the card, or the sequences per step."""
-    micro, accum, gpu = best.cfg.micro_batch, best.cfg.grad_accum, best.card
-    per_rank = f" per rank (global batch {micro * accum * world_size} sequences)" if world_size > 1 else ""
-    line = f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{per_rank}"
-    if micro * accum != sequences:
-        line += f", the nearest above the config's {sequences} (no divisor of it near {largest} fits)"
-    if micro == sequences:
-        spare = gpu.usable - best.card_bytes
-        return line + f"; the sequences per step set the limit, not {gpu} ({gib(spare)} to spare)"
-    which = f"the largest divisor of {sequences} that fits" if micro != largest else "the largest that fits"
-    line += f"; {which} {gpu} with {fit_margin(best.cfg.compile):.0%} free ({gib(best.card_bytes)} planned)"
-    return line + (f"; {largest} fits too, with more sequences per step" if micro != largest else "")
-
-
-def guess_accum(one: Plan, probe: Plan, sequences: int, limit: float) -> int:
-    """The fewest micro-steps whose micro-batch the line through two plans puts under the limit."""
-    per_sequence = max(1.0, (probe.card_bytes - one.card_bytes) / max(1, probe.cfg.micro_batch - 1))
-    most = max(1, min(sequences, 1 + int((limit - one.card_bytes) / per_sequence)))
-    return -(-sequences // most)
-
-
-# ---- the command
-
-
-def requested(cli: dict, config_file: str | None) -> bool:
-    """--plan on the command line, or plan = true in the TOML file."""
-    if "plan" in cli:
-        return bool(cli["plan"])
-    return bool(config_file and load_toml(config_file).get("plan"))
-
-
-def planned_config(cli: dict, config_file: str | None) -> tuple[TrainConfig, str]:
-    """The run's config, resolved as the run would (for CUDA unless --device cpu), and the target."""
-    target = cli.get("device") or "cuda"
-    cfg = resolve(cli, config_file, target)
-    if target == "cpu":
-        check_runtime(cfg)  # a CPU run runs here: what this machine refuses, the plan refuses
-    return cfg, target
-
-
-def main(cli: dict, config_file: str | None) -> int:
-    """python -m fastpt.train --plan ...: print the plan (and --plan-json it); trains nothing."""
-    cfg, target = planned_config(cli, config_file)
-    if cfg.plan_json and not Path(cfg.plan_json).parent.is_dir():  # said now, not after planning
-        raise ConfigError(
-            f"'plan_json' = {cfg.plan_json!r}: no folder {str(Path(cfg.plan_json).parent)!r} to write it in"
-        )
-    gpu = card(cfg.plan_gpu) if target == "cuda" else machine_card()
-    why = ""
-    if cfg.micro_batch == AUTO:
-        plan, why = fit_micro_batch_fsdp(cfg, target, cfg.plan_world_size, gpu)
-    else:
-        plan = trace(cfg, target, cfg.plan_world_size)
-        plan.card = gpu
-    lines = describe(plan) + ([why] if why else []) + other_gradient_sync(plan)
-    print("\n".join(lines), flush=True)
-    if warning := unmodelled(plan):
-        print(warning, file=sys.stderr, flush=True)
-    if cfg.plan_json:
-        text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
-        try:
-            write_atomic(Path(cfg.plan_json), lambda f: f.write(text.encode()))
-        except OSError as e:
-            raise ConfigError(f"'plan_json' = {cfg.plan_json!r}: cannot write it ({os_reason(e)})") from None
-    return 0
-
-
-def auto_micro_batch(cfg: TrainConfig) -> tuple[TrainConfig, str]:
-    """A run's --micro-batch auto, before it starts: the config with the chosen micro-batch and
-    grad_accum, and the line that says why (unchanged and '' without auto)."""
-    if cfg.micro_batch != AUTO:
-        return cfg, ""
-    gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, why = fit_micro_batch_fsdp(cfg, cfg.device, world_size, gpu)
-    if warning := unmodelled(plan):
-        print(warning, file=sys.stderr, flush=True)
-    chosen = dict(micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum)
-    return dataclasses.replace(cfg, **chosen, fsdp_reshard_grads=plan.cfg.fsdp_reshard_grads), why
