@@ -11,7 +11,8 @@ import torch
 
 from bench import baseline, train_step
 from bench.__main__ import main as bench_main
-from bench.train_step import Setup, losses_agree, measure, parse_mode, run_mode, unavailable
+from bench.train_step import Setup, measure, parse_mode, run_mode, unavailable
+from bench.train_step_report import losses_agree
 from fastpt.model import Transformer
 from fastpt.presets import ModelConfig
 

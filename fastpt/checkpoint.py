@@ -1,13 +1,11 @@
-"""The checkpoint format, all of it: names, atomic writes, the `latest` pointer, pruning, and
-model / optimizer state that moves between layouts and world sizes.
+"""A checkpoint on disk and reading it back: its names, the run folder's checkpoints (latest,
+find), what a checkpoint holds under a name (Stateful; model and optimizer state keyed by parameter
+name), and loading that never runs code. Writing checkpoints and a run's Checkpointer: checkpointer.py.
 
 A checkpoint is `ckpt_{step:08d}` in the run folder, one of two kinds:
 - `ckpt_N.pt`, one file written by rank 0 when every rank holds the full state (one process, DDP);
 - `ckpt_N/`, a directory of torch.distributed.checkpoint (DCP) shards written by every rank under
   FSDP, plus STATE_FILE with the rest of the state (loader, RNG, the loop's state, ...).
-What a checkpoint holds is registered once, as torchtitan's CheckpointManager takes it: a name ->
-Stateful (an object with state_dict() / load_state_dict()) mapping that `Checkpointer` saves and
-restores, plus plain values saved beside them (the configs). The step is the `train_state`'s.
 Model and optimizer state are keyed by parameter name in both kinds, so either resumes in any
 layout and world size: a file is sharded on load, a directory is resharded by DCP.
 
@@ -20,11 +18,9 @@ values only (NumPy's RNG state as a tensor).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import io
 import pickle
-import random
 import re
 import sys
 import warnings
@@ -32,43 +28,32 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from fastpt import files, integrity
-from fastpt.errors import CheckpointError, ConfigError, FastptError
-from fastpt.files import os_reason, publish, remove, write_atomic
+from fastpt import integrity
+from fastpt.errors import CheckpointError, FastptError
 from fastpt.model import Transformer
-from fastpt.optim import changed_settings, reapply_settings
 from fastpt.presets import ModelConfig
 
 __all__ = [
-    "Checkpointer",
     "ModelState",
     "OptimizerState",
-    "RNGState",
     "Stateful",
     "apply",
     "checkpoints",
     "find",
     "latest",
     "load",
-    "recover",
+    "load_model",
     "restore",
-    "save",
     "step_of",
     "tokenizer_of",
 ]
 
-if TYPE_CHECKING:  # annotations only: the run's pieces are built above this module
+if TYPE_CHECKING:  # annotations only
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    from fastpt.config import TrainConfig
-    from fastpt.data.dataset import Data
-    from fastpt.step import Net, TrainState
 
 # torch.distributed.checkpoint and DTensor are imported where they are used: together they cost
 # ~1.5 s of every command's start-up (python -m fastpt.train --help), and a run first needs them
@@ -146,95 +131,6 @@ class OptimizerState:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(self.model, self.optimizers, state, options=_options(state))
-
-
-class RNGState:
-    """Python's, NumPy's and torch's generators (and CUDA's), as tensors and plain values that
-    torch.load(weights_only=True) reads."""
-
-    def state_dict(self) -> dict:
-        numpy = np.random.get_state(legacy=False)  # {"bit_generator", "state": {"key": uint32 array, "pos"}, ...}
-        numpy["state"]["key"] = torch.from_numpy(numpy["state"]["key"].astype(np.int64))
-        state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Generators take their state as CPU byte tensors only; a checkpoint loaded onto the GPU
-        (map_location=device) brings these back as CUDA tensors."""
-        random.setstate(state["python"])
-        numpy = state["numpy"]
-        key = numpy["state"]["key"].cpu().numpy().astype(np.uint32)
-        np.random.set_state({**numpy, "state": {**numpy["state"], "key": key}})
-        torch.set_rng_state(state["torch"].cpu())
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
-def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bool = True) -> Path | None:
-    """Write checkpoint `step` atomically, point `latest` at it, delete all but the newest `keep`.
-
-    Sharded state (FSDP DTensors) is a DCP directory written by every rank; full state one file
-    written by the main rank. Returns the path on the main rank, None elsewhere."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.tensor import DTensor
-
-    run_dir = Path(run_dir)
-    sharded = any(isinstance(v, DTensor) for v in state["model"].values())
-    path = run_dir / (f"ckpt_{step:08d}" if sharded else f"ckpt_{step:08d}.pt")
-    previous = latest(run_dir)
-    try:
-        if sharded:
-            _write_sharded(path, state, is_main)
-        elif is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_file(path, state)
-        if not is_main:
-            return None
-        write_atomic(run_dir / "latest", lambda f: f.write(path.name.encode()))
-    except (OSError, RuntimeError, CheckpointException) as e:  # torch.save reports a failed write as RuntimeError
-        kept = f"{previous.name} is intact" if previous else "there is no earlier checkpoint"
-        raise CheckpointError(f"could not write checkpoint {path}: {os_reason(e)}; {kept}") from None
-    _clean(run_dir, keep)
-    return path
-
-
-def write_file(path: Path, state: dict) -> None:
-    """torch.save(state) into `path` atomically, its checksum in the same write."""
-    write_atomic(path, lambda f: integrity.write_zip(f, lambda out: torch.save(state, out)))
-
-
-def _write_sharded(path: Path, state: dict, is_main: bool) -> None:
-    """Every rank writes its shards into a hidden directory; the main rank adds the rest of the
-    state and renames the directory into place, so a reader sees a whole checkpoint or none."""
-    import torch.distributed.checkpoint as dcp
-
-    tmp = path.with_name(f".{path.name}.partial")
-    dcp.save({k: state[k] for k in TENSOR_KEYS}, checkpoint_id=tmp)
-    if is_main:  # dcp.save returns on the coordinator once every rank has written
-        rest = {k: v for k, v in state.items() if k not in TENSOR_KEYS}
-        write_file(tmp / STATE_FILE, rest)
-        integrity.write_manifest(tmp)  # inside the folder before it is renamed: one publish with it
-        publish(tmp, path)  # over the same step from an attempt that was resumed, if any
-
-
-def recover(run_dir: Path) -> None:
-    """Put back every checkpoint that a save killed between publish's two renames left aside
-    (files.recover); only the run folder's owner calls it, before anything lists or cleans."""
-    for old in run_dir.glob(".ckpt_*.old"):
-        name = old.name.removeprefix(".").removesuffix(".old")
-        if NAME.match(name):
-            files.recover(old.with_name(name))
-
-
-def _clean(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints, and temporaries of writers killed mid-save
-    (a checkpoint left aside is put back first)."""
-    recover(run_dir)
-    stale = [".ckpt_*.tmp*", ".ckpt_*.partial", ".ckpt_*.old", ".latest.tmp*"]
-    for path in [*checkpoints(run_dir)[:-keep], *(p for pattern in stale for p in run_dir.glob(pattern))]:
-        remove(path)
 
 
 def find(path: Path) -> Path:
@@ -461,116 +357,3 @@ def restore(
 
 def step_of(ckpt: dict) -> int:
     return ckpt["train_state"]["step"]
-
-
-class Checkpointer:
-    """A run's checkpointed state, registered once: `states` maps each name to a Stateful (model,
-    optimizers, scaler, loader, RNG, the loop's TrainState, ...), `meta` holds plain values saved
-    beside them (the model and train configs). A new piece of state is one more entry here."""
-
-    def __init__(self, run_dir: Path, states: dict[str, Stateful], meta: dict, keep: int = 3, is_main: bool = True):
-        self.run_dir, self.states, self.meta, self.keep, self.is_main = run_dir, states, meta, keep, is_main
-
-    def recover(self) -> None:
-        """Put back checkpoints a killed save left aside (`recover`, on the main rank, which owns the
-        run folder); every rank waits for it, so all of them then list the same checkpoints."""
-        if self.is_main:
-            recover(self.run_dir)
-        if dist.is_initialized():
-            dist.barrier()
-
-    def save(self, step: int) -> Path | None:
-        """Checkpoint `step` (see `save`): the path on the main rank, None elsewhere."""
-        state = {name: stateful.state_dict() for name, stateful in self.states.items()}
-        return save(self.run_dir, step, {**state, **self.meta}, self.keep, self.is_main)
-
-    def restore(
-        self, map_location: torch.device, check: Callable[[Path, dict], None] = lambda path, ckpt: None
-    ) -> Path | None:
-        """Load every registered state from the newest checkpoint that loads (`check(path, ckpt)`
-        first, to refuse one that does not fit); None when the run folder has none."""
-
-        def put(path: Path, ckpt: dict) -> None:
-            check(path, ckpt)
-            apply(path, ckpt, self.states)
-
-        found = restore(self.run_dir, map_location, put)
-        return found[0] if found else None
-
-
-# ---- a training run's checkpointer
-
-
-def build_checkpointer(cfg: TrainConfig, data: Data, net: Net, state: TrainState, is_main: bool) -> Checkpointer:
-    """Every piece of state a run's checkpoint holds, registered once (a new one is one more entry)."""
-    states = {
-        "model": ModelState(net.raw),
-        "optimizer": OptimizerState(net.raw, net.optimizers),
-        "scaler": net.scaler,
-        "loader": data.loader,
-        "rng": RNGState(),
-        "train_state": state,
-    }
-    meta = {"model_config": dataclasses.asdict(data.model_config), "train_config": dataclasses.asdict(cfg)}
-    return Checkpointer(Path(cfg.out), states, meta, cfg.keep_checkpoints, is_main)
-
-
-def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, log: Callable) -> None:
-    """--resume: every registered state from the newest checkpoint that loads, checked to be of this
-    run's model and optimizer, whose groups then take the config's settings (optim.reapply_settings).
-    A fresh run refuses a folder that holds an earlier run's checkpoints or metrics."""
-    state, saved_config = ckpt.states["train_state"], {}
-
-    def same_model(path: Path, saved: dict) -> None:
-        saved_config.update(saved.get("train_config", {}))
-        recipe = saved_config.get("recipe", "seed")  # when the recipe differs, it is what to repeat
-        again = f"--recipe {recipe} (this run says --recipe {cfg.recipe})" if recipe != cfg.recipe else ""
-        if diff := model_mismatch(saved["model_config"], ckpt.meta["model_config"]):
-            raise ConfigError(
-                f"{path} was written for another model ({diff}); "
-                f"resume with {again or 'the same preset, shape keys and data'}"
-            )
-        if (optimizer := saved_config.get("optimizer", "adamw")) != cfg.optimizer:
-            raise ConfigError(
-                f"{path} was written with --optimizer {optimizer}: resume with {again or 'the same optimizer'}"
-            )
-
-    run_dir = ckpt.run_dir
-    ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
-    # Read on the CPU, memory-mapped, and copied into the live tensors (apply): no copy on the device.
-    if cfg.resume and (path := ckpt.restore(torch.device("cpu"), same_model)):
-        log(f"resumed from {path} at step {state.step}")
-        optimizers = ckpt.states["optimizer"].optimizers
-        reapply_settings(optimizers, cfg, ckpt.meta["model_config"]["dim"], ckpt.meta["model_config"]["tie_embeddings"])
-        if changed := changed_settings(saved_config, cfg):
-            log(f"resume: {changed} (the config's values apply)")
-    elif cfg.resume:
-        log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
-    elif path := latest(run_dir):  # a fresh run would mix its checkpoints with the old ones
-        raise ConfigError(
-            f"{run_dir} already holds a run (newest checkpoint {path.name}): "
-            "add --resume to continue it, or choose another --out"
-        )
-    elif (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size:
-        raise ConfigError(
-            f"{run_dir} holds an earlier run's metrics.jsonl (and no checkpoint): "
-            "add --resume to start that run over, or choose another --out"
-        )
-    state.to(device)
-
-
-def model_mismatch(saved: dict, current: dict) -> str:
-    """The architecture fields a checkpoint's model config disagrees on ('dim 512 != 128')."""
-    saved = dataclasses.asdict(ModelConfig.from_dict(saved))
-    return ", ".join(f"{k} {v} != {current[k]}" for k, v in saved.items() if current[k] != v)
-
-
-def save_checkpoint(ckpt: Checkpointer, step: int, log) -> bool:
-    """Checkpoint `step`; a failed write (a full disk) is a warning, and False."""
-    try:
-        if path := ckpt.save(step):
-            log(f"saved {path}")
-        return True
-    except CheckpointError as e:
-        print(f"fastpt: warning: {e}", file=sys.stderr)
-        return False

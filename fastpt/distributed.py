@@ -1,6 +1,6 @@
 """torchrun integration: the process group from the environment, the model compiled and put under
 DDP or FSDP2, and the cross-rank reductions the loop needs. (Checkpoints of either layout:
-checkpoint.py.)"""
+checkpoint.py, checkpointer.py.)"""
 
 from __future__ import annotations
 

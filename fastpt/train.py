@@ -5,7 +5,7 @@ The loop is `train()`, top to bottom on one screen: the LR schedule, one `train_
 GradScaler; the benchmark and the memory planner run it too), the dashboard line every log_every
 steps, evals and atomic checkpoints. What it needs is built before it: the data
 (data.dataset.build_data), the model with its optimizers and precision (step.build_model), the
-checkpointed state (checkpoint.build_checkpointer), the run folder (metrics.write_run_folder).
+checkpointed state (checkpointer.build_checkpointer), the run folder (metrics.write_run_folder).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fastpt import checkpoint, distributed
-from fastpt.checkpoint import build_checkpointer, save_checkpoint, start_or_resume
+from fastpt.checkpointer import build_checkpointer, save_checkpoint, start_or_resume
 from fastpt.cli import parse_args, resumed_run
 from fastpt.config import TrainConfig, check_runtime, pick_device, resolve
 from fastpt.data.dataset import Data, build_data, packing_warning

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, read_metrics, run_main, run_quietly, run_train, tiny_args
-from fastpt import checkpoint, export, sample, train
+from fastpt import checkpoint, checkpointer, export, sample, train
 
 
 def run_args(data: Path, out: Path, *extra: str) -> list[str]:
@@ -98,11 +98,11 @@ def test_a_checkpoint_holding_a_numpy_array_is_refused_naming_it(reference, tiny
 
 
 def as_dcp_folder(ckpt: dict, path: Path) -> None:
-    """The checkpoint as an FSDP run writes it (checkpoint's own writer): model and optimizer as DCP
+    """The checkpoint as an FSDP run writes it (checkpointer's own writer): model and optimizer as DCP
     shards, the rest in state.pt, and the folder's checksums."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP in one process, no process group: intended here
-        checkpoint._write_sharded(path, ckpt, is_main=True)
+        checkpointer._write_sharded(path, ckpt, is_main=True)
 
 
 def test_a_dcp_folder_resumes_through_the_safe_reader(reference, tiny_data, tmp_path, capsys):
@@ -160,7 +160,7 @@ def test_a_checkpointer_saves_and_restores_every_registered_state_with_several_o
         "counter": Counter(7),
         "train_state": Counter(2),
     }
-    path = checkpoint.Checkpointer(tmp_path, states, meta).save(2)
+    path = checkpointer.Checkpointer(tmp_path, states, meta).save(2)
     assert path == tmp_path / "ckpt_00000002.pt"
     saved = torch.load(path, weights_only=True)
     assert saved["note"] == meta["note"] and saved["counter"] == {"n": 7}
@@ -168,7 +168,7 @@ def test_a_checkpointer_saves_and_restores_every_registered_state_with_several_o
     fresh = Transformer(model.cfg)
     fresh_optimizers = two_optimizers(fresh)
     counter = Counter()
-    restored = checkpoint.Checkpointer(
+    restored = checkpointer.Checkpointer(
         tmp_path,
         {
             "model": checkpoint.ModelState(fresh),
@@ -193,11 +193,11 @@ def test_a_state_the_checkpoint_lacks_is_one_line_naming_it(tmp_path):
     from test_core import small_model
 
     model = small_model()
-    checkpoint.Checkpointer(
+    checkpointer.Checkpointer(
         tmp_path, {"model": checkpoint.ModelState(model), "train_state": Counter()}, {"model_config": {}}
     ).save(1)
     with pytest.raises(checkpoint.CheckpointError, match="could not load the counter state from .*ckpt_00000001.pt"):
-        checkpoint.Checkpointer(
+        checkpointer.Checkpointer(
             tmp_path, {"model": checkpoint.ModelState(model), "counter": Counter(), "train_state": Counter()}, {}
         ).restore(torch.device("cpu"))
 
@@ -366,29 +366,29 @@ def test_resume_peaks_no_higher_than_a_fresh_run(tmp_path):
     mcfg = planner.planned_model(cfg)
     loader = planner.FakeLoader(1, 64, mcfg.vocab_size)
 
-    def checkpointer(net) -> checkpoint.Checkpointer:
+    def run_checkpointer(net) -> checkpointer.Checkpointer:
         states = {
             "model": checkpoint.ModelState(net.raw),
             "optimizer": checkpoint.OptimizerState(net.raw, net.optimizers),
         }
         meta = {"model_config": mcfg.__dict__ | {}}
-        return checkpoint.Checkpointer(tmp_path, {**states, "train_state": TrainState()}, meta)
+        return checkpointer.Checkpointer(tmp_path, {**states, "train_state": TrainState()}, meta)
 
     def run(resume: bool) -> None:
         net = build_model(cfg, mcfg, torch.device("cpu"), distributed.ONE_PROCESS)
         if resume:
-            checkpoint.start_or_resume(cfg, checkpointer(net), torch.device("cpu"), lambda line: None)
+            checkpointer.start_or_resume(cfg, run_checkpointer(net), torch.device("cpu"), lambda line: None)
         for _ in range(2):
             train_step(net, loader, cfg)
 
     net = build_model(cfg, mcfg, torch.device("cpu"), distributed.ONE_PROCESS)
     train_step(net, loader, cfg)
-    checkpointer(net).save(1)
+    run_checkpointer(net).save(1)
     saved = {k: v.clone() for k, v in net.raw.state_dict().items()}
     del net
     fresh, resumed = cpu_allocator_peak(lambda: run(False)), cpu_allocator_peak(lambda: run(True))
     assert resumed <= 1.05 * fresh, (fresh, resumed)
     net = build_model(cfg, mcfg, torch.device("cpu"), distributed.ONE_PROCESS)  # and it did load the checkpoint
-    checkpoint.start_or_resume(cfg, checkpointer(net), torch.device("cpu"), lambda line: None)
+    checkpointer.start_or_resume(cfg, run_checkpointer(net), torch.device("cpu"), lambda line: None)
     assert all(torch.equal(net.raw.state_dict()[k], v) for k, v in saved.items())
     assert all(len(s) for opt in net.optimizers for s in opt.state.values())

@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from conftest import REPO, assert_one_line_error, read_metrics, run_main, tiny_args
-from fastpt import checkpoint, export, integrity, sample, train
+from fastpt import checkpoint, checkpointer, export, integrity, sample, train
 from fastpt.errors import CheckpointError, run_command
 
 MANIFEST = integrity.MANIFEST
@@ -45,11 +45,11 @@ def reference(tiny_data, tmp_path_factory) -> Path:
 
 
 def as_dcp_folder(file: Path, folder: Path) -> Path:
-    """A checkpoint file rewritten as an FSDP run writes it, by checkpoint's own writer."""
+    """A checkpoint file rewritten as an FSDP run writes it, by checkpointer's own writer."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP in one process, no process group: intended here
-        checkpoint._write_sharded(folder, checkpoint.load(file), is_main=True)
+        checkpointer._write_sharded(folder, checkpoint.load(file), is_main=True)
     return folder
 
 
@@ -288,7 +288,7 @@ def test_resume_skips_a_dcp_folder_whose_checksums_fail(reference, tiny_data, tm
 KILLED_SAVE = r"""
 import os, signal, sys, warnings
 from pathlib import Path
-from fastpt import checkpoint, files, integrity
+from fastpt import checkpoint, checkpointer, files, integrity
 point, source, run_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 
 def die(*args, **kwargs):
@@ -299,13 +299,13 @@ if point == "file: data written, checksum not":
 elif point == "folder: shards and state written, checksums not":
     integrity.write_manifest = die
 elif point == "folder: checksums written, not yet published":
-    checkpoint.publish = die
+    checkpointer.publish = die
 state = checkpoint.load(source)
 warnings.simplefilter("ignore")
 if point.startswith("folder"):
-    checkpoint._write_sharded(run_dir / source.name.removesuffix(".pt"), state, True)
+    checkpointer._write_sharded(run_dir / source.name.removesuffix(".pt"), state, True)
 else:
-    checkpoint.save(run_dir, checkpoint.step_of(state), state)
+    checkpointer.save(run_dir, checkpoint.step_of(state), state)
 """
 
 
