@@ -213,14 +213,21 @@ def test_a_moved_private_api_is_named(monkeypatch):
 
 def test_lowering_reads_inductors_thresholds(monkeypatch):
     """The replay's realize rules take their thresholds from torch._inductor.config, per device
-    (torch 2.13: accumulated reads 12 on a CPU, 8 on CUDA): lowered, a value is stored instead."""
+    (torch 2.13: accumulated reads 12 on a CPU, 8 on CUDA; 2.11: 8 on both): lowered, a value is stored
+    instead."""
     import torch._inductor.config as inductor_config
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from fastpt.plan.compiled import Lowering
 
-    assert torch_internals.realize_thresholds("cuda")[1] == inductor_config._realize_acc_reads_threshold_default
-    assert torch_internals.realize_thresholds("cpu")[1] == inductor_config.realize_cpu_acc_reads_threshold
+    cuda, cpu = (torch_internals.realize_thresholds(target)[1] for target in ("cuda", "cpu"))
+    if (acc := inductor_config.realize_acc_reads_threshold) is not None:  # torch 2.11: one for every device
+        assert cuda == cpu == acc
+    else:  # torch 2.13: None, each device's default
+        assert (cuda, cpu) == (
+            inductor_config._realize_acc_reads_threshold_default,
+            inductor_config.realize_cpu_acc_reads_threshold,
+        )
     gm = make_fx(lambda *xs: torch.mm(sum(xs[1:], xs[0] * 2), xs[0]))(*[torch.randn(4, 4) for _ in range(10)])
     inlined = {n.name for n in Lowering(gm, "cuda", backward=False).fused}
     monkeypatch.setattr(inductor_config, "realize_acc_reads_threshold", 2)
@@ -427,6 +434,7 @@ def test_unmodelled_warns_only_when_it_applies():
 def test_own_gpu_is_the_ranks_own_and_its_free_memory(monkeypatch):
     """Without --plan-gpu under torchrun: LOCAL_RANK's GPU made the device before its memory is asked
     (so no rank makes a context on GPU 0), and the plan fits what is free on it, not its total."""
+    plan = plan_of(*SMALL)  # before CUDA is faked available (a CUDA build's optimizer would ask the driver)
     calls = []
     current = [0]
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -445,7 +453,6 @@ def test_own_gpu_is_the_ranks_own_and_its_free_memory(monkeypatch):
     assert calls == [("set_device", 3), ("mem_get_info", 3, 3)]
     assert (gpu.total, gpu.free, gpu.usable) == (140 * 2**30, 20 * 2**30, 20 * 2**30 + gpus.CUDA_CONTEXT)
     assert "cuda:3" in str(gpu) and "20.0 GiB free of 140.0 GiB" in str(gpu)
-    plan = plan_of(*SMALL)
     big = SimpleNamespace(reserved=19 * 2**30)  # fits the card's total, not what is free
     plan.peak, plan.card = SimpleNamespace(**vars(plan.peak) | vars(big)), gpu
     assert plan.card_bytes < 0.95 * gpu.total and not plan.fits(fit.FIT_MARGIN)
