@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench import race
+from bench import race, race_flags
 from bench.__main__ import main as bench_main
 from bench.common import REPO
 
@@ -84,15 +84,15 @@ def test_the_command_exits_2_and_help_shows_the_whole_description(capsys):
 def test_a_multiplier_scales_every_peak_lr_of_a_muon_recipe(flags, groups):
     args = race.parse_args([])
     base = resolved_lrs(flags, args)
-    lr_args, lrs = race.lr_flags(flags, 2.0, args, 1024)
+    lr_args, lrs = race_flags.lr_flags(flags, 2.0, args, 1024)
     assert groups <= set(base) and lrs == pytest.approx({k: 2 * v for k, v in base.items()})
     assert resolved_lrs(flags + lr_args, args) == pytest.approx(lrs)  # the flags set exactly those LRs
-    assert set(lr_args[::2]) == {race.LR_FLAGS[k] for k in base}
+    assert set(lr_args[::2]) == {race_flags.LR_FLAGS[k] for k in base}
 
 
 def test_muon_plain_gives_the_embedding_and_head_the_seeds_lr():
     args = race.parse_args(["--recipes", "seed,muon-plain"])
-    plain = race.recipes(args)["muon-plain"]
+    plain = race_flags.recipes(args)["muon-plain"]
     assert plain[plain.index("--head-lr") + 1] == plain[plain.index("--embed-lr") + 1] == "0.002"  # the CPU seed's
     assert resolved_lrs(plain, args) == {"lr": 0.002, "head": 0.002, "muon": 0.02}
 
@@ -101,7 +101,7 @@ def resolved_lrs(flags: list[str], args) -> dict[str, float]:
     from fastpt.optim import peak_lrs
     from fastpt.presets import model_config
 
-    cfg = race.resolve(race.common_flags(args, race.CHECK_STEPS) + flags, args.device)
+    cfg = race_flags.resolve(race_flags.common_flags(args, race_flags.CHECK_STEPS) + flags, args.device)
     m = model_config(cfg, 1024)
     return peak_lrs(cfg, m.dim, m.tie_embeddings)
 
@@ -122,7 +122,7 @@ def test_each_budget_runs_with_its_schedule_fitted_to_its_length(tmp_path, monke
     assert r.steps == -(-40 * r.params // r.tokens_per_step) and r.steps > 1000
     for budget in r.budgets:
         assert "error" in r.one("modern", ["--recipe", "modern"], 1.0, budget, 1337)  # the stand-in process failed
-    cfgs = [race.resolve(cmd[cmd.index("fastpt.train") + 1 :], "") for cmd in cmds]
+    cfgs = [race_flags.resolve(cmd[cmd.index("fastpt.train") + 1 :], "") for cmd in cmds]
     steps = [-(-f * r.steps // 1) for f in (0.25, 0.5, 1)]
     assert [c.max_steps for c in cfgs] == steps == [s for _, s in r.budgets]
     assert [c.warmup_steps for c in cfgs] == [round(0.05 * s) for s in steps]

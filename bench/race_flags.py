@@ -1,0 +1,187 @@
+"""The race's flags: its recipes, its command line checked before anything runs (one line, exit 2,
+on a bad value), and the fastpt.train flags of each run (model, schedule fitted to its budget, LRs)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+from pathlib import Path
+
+from fastpt.errors import FastptError
+
+RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to the seed recipe
+    "seed": [],
+    "wsd": ["--schedule", "wsd"],  # linear to 0
+    "wsd-sqrt": ["--schedule", "wsd", "--decay-shape", "sqrt"],
+    "muon": ["--optimizer", "muon"],  # with its per-group defaults: embed/head LRs, betas, momentum warmup
+    "muon-plain": shlex.split(
+        "--optimizer muon --muon-momentum-warmup 0 --muon-adam-beta1 0.9 --head-lr {lr} --embed-lr {lr}"
+    ),
+    "qk-norm": ["--qk-norm"],
+    "zero-init": ["--zero-init"],
+    "untied": ["--no-tie-embeddings"],
+    "bos": ["--packing", "bos"],
+    "modern": ["--recipe", "modern"],
+}
+# a recipe the sweep skips runs at the best multiplier of its base (the seed's by default)
+BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon"}
+SWEPT = "seed,wsd,muon,modern"
+LR_FLAGS = {"lr": "--lr", "embed": "--embed-lr", "head": "--head-lr", "muon": "--muon-lr"}
+FITTED = ("--max-steps", "--warmup-steps")  # the race sets these per run; --muon-momentum-warmup may only be 0
+MODEL = "--preset tiny --dim 64 --n-layers 3 --n-heads 4 --ffn-dim 176 --seq-len 128 --micro-batch 16"
+EVALS = 5  # evals per run (the last, at its final step, is the one that counts)
+CHECK_STEPS = 1000  # the run length flags are checked at before a corpus's own is known
+
+
+class UsageError(FastptError):
+    """A bad race command line or recipe: one line, exit 2."""
+
+
+# ---- the command line, checked before anything runs
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own complaints: one line too, not usage + error
+        raise UsageError(message)
+
+
+def numbers(flag: str, text: str, low: float = 0.0, high: float = math.inf) -> list[float]:
+    """A comma-separated list of numbers in (low, high]; else one line naming the flag and value."""
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: not a comma-separated list of numbers") from None
+    if not all(low < v <= high for v in values):  # NaN fails too
+        raise UsageError(
+            f"{flag} {text!r}: every value must be > {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+        )
+    return values
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag's value, before a recipe is parsed, a corpus prepared or a package looked for."""
+    if not (math.isfinite(args.tokens_per_param) and args.tokens_per_param > 0):
+        raise UsageError(f"--tokens-per-param {args.tokens_per_param:g}: must be a positive number")
+    numbers("--multipliers", args.multipliers)
+    budgets = numbers("--budgets", args.budgets, high=1.0)
+    if budgets != sorted(set(budgets)) or budgets[-1] != 1.0:
+        raise UsageError(f"--budgets {args.budgets!r}: fractions of the budget, ascending, ending at 1 (the full one)")
+    least = {
+        "--seeds": 1,
+        "--widen": 0,
+        "--speed-rounds": 0,
+        "--speed-steps": 1,
+        "--eval-tokens": 1,
+        "--threads": 1,
+        "--vocab-size": 1,
+    }
+    for flag, low in least.items():
+        if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
+            raise UsageError(f"{flag} {value}: must be at least {low}")
+    for flag, value in (
+        ("--warmup-fraction", args.warmup_fraction),
+        ("--momentum-warmup-fraction", args.momentum_warmup_fraction),
+    ):
+        if not 0 <= value < 1:
+            raise UsageError(f"{flag} {value:g}: must be in [0, 1)")
+    for spec in args.corpora.split(","):
+        if spec not in ("default", "shakespeare") and not (Path(spec) / "meta.json").is_file():
+            raise UsageError(f"--corpora: {spec!r} is not 'default', 'shakespeare' or a prepared folder (no meta.json)")
+    check_fitted("--train-args", shlex.split(args.train_args))
+    given_multipliers(args)
+
+
+def given_multipliers(args: argparse.Namespace) -> dict[str, float]:
+    """--multiplier NAME=M: recipes whose LR multiplier is given, not swept (one line on a bad one)."""
+    given = {}
+    for spec in args.multiplier:
+        name, sep, value = spec.partition("=")
+        if not (sep and name):
+            raise UsageError(f"--multiplier {spec!r} is not NAME=M")
+        values = numbers(f"--multiplier {name}", value)
+        if len(values) != 1:
+            raise UsageError(f"--multiplier {name} {value!r}: one number")
+        given[name] = values[0]
+    return given
+
+
+def check_fitted(source: str, flags: list[str]) -> None:
+    """The race fits each run's length and warmups to its budget: flags may not fix them."""
+    for i, f in enumerate(flags):
+        name, _, value = f.partition("=")
+        value = value or (flags[i + 1] if i + 1 < len(flags) else "")
+        if name in FITTED or (name == "--muon-momentum-warmup" and value != "0"):
+            raise UsageError(
+                f"{source} sets {name}: the race fits it to each budget "
+                "(--budgets, --warmup-fraction, --momentum-warmup-fraction)"
+            )
+
+
+def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The named RECIPES, then the --recipe ones; the seed recipe first. A flag value `{lr}` is the
+    seed's peak LR (muon-plain's embedding and head LRs)."""
+    chosen = {}
+    for name in args.recipes.split(","):
+        if name not in RECIPES:
+            raise UsageError(f"unknown recipe {name!r} (RECIPES: {', '.join(RECIPES)})")
+        chosen[name] = RECIPES[name]
+    for spec in args.recipe:
+        name, sep, flags = spec.partition("=")
+        if not (sep and name):
+            raise UsageError(f"--recipe {spec!r} is not NAME=FLAGS")
+        chosen[name] = shlex.split(flags)
+        check_fitted(f"recipe {name!r}", chosen[name])
+    if unknown := set(given_multipliers(args)) - set(chosen):
+        raise UsageError(f"--multiplier names {', '.join(sorted(unknown))}: not a recipe of this race")
+    if next(iter(chosen), None) != "seed":
+        raise UsageError("the seed recipe runs first (--recipes seed,...)")
+    seed_lr = str(resolve(common_flags(args, CHECK_STEPS), args.device).lr)
+    return {name: [f.replace("{lr}", seed_lr) for f in flags] for name, flags in chosen.items()}
+
+
+def resolve(flags: list[str], device: str):
+    """fastpt.train's own parse of these flags: the TrainConfig it would run (no training)."""
+    from fastpt import cli, config
+
+    cli_values, config_file = cli.parse_args(flags)
+    return config.resolve(cli_values, config_file, device or config.pick_device(cli_values))
+
+
+def check_recipes(chosen: dict[str, list[str]], args: argparse.Namespace, steps: int = CHECK_STEPS) -> None:
+    """Every recipe's flags through fastpt's parser at this run length (before any corpus is prepared,
+    a typical one; before a corpus's first run, its smallest budget's); the first bad one is one line."""
+    for name, flags in chosen.items():
+        try:
+            resolve(common_flags(args, steps) + flags, args.device)
+        except FastptError as e:
+            raise UsageError(f"recipe {name!r} ({' '.join(flags)}): {e}") from None
+
+
+def schedule(args: argparse.Namespace, steps: int) -> list[str]:
+    """A run's length and warmups, fitted to it: the same fractions of its steps at every budget
+    (fastpt derives WSD's decay from --max-steps and --decay-fraction, cosine's from both)."""
+    warmup, momentum = (round(f * steps) for f in (args.warmup_fraction, args.momentum_warmup_fraction))
+    return ["--max-steps", str(steps), "--warmup-steps", str(warmup), "--muon-momentum-warmup", str(momentum)]
+
+
+def common_flags(args: argparse.Namespace, steps: int) -> list[str]:
+    """What every run of this length shares: the model, batch, schedule, eval cadence, --train-args."""
+    every = str(max(1, steps // EVALS))
+    flags = [*shlex.split(args.model), *schedule(args, steps), "--eval-every", every, "--log-every", every]
+    flags += ["--eval-tokens", str(args.eval_tokens), "--ckpt-every", str(10**9)]
+    return flags + (["--device", args.device] if args.device else []) + shlex.split(args.train_args)
+
+
+# ---- the LR flags
+
+
+def lr_flags(flags: list[str], multiplier: float, args: argparse.Namespace, vocab: int) -> tuple[list[str], dict]:
+    """The flags that set every peak LR of this recipe to `multiplier` x its own, and those LRs."""
+    from fastpt.optim import peak_lrs
+    from fastpt.presets import model_config
+
+    cfg = resolve(common_flags(args, CHECK_STEPS) + flags, args.device)
+    m = model_config(cfg, vocab)
+    lrs = {k: v * multiplier for k, v in peak_lrs(cfg, m.dim, m.tie_embeddings).items()}
+    return [x for k, v in lrs.items() for x in (LR_FLAGS[k], f"{v:.6g}")], lrs
