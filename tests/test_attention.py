@@ -170,10 +170,11 @@ def test_training_with_document_attention_records_the_token(tiny_data, tmp_path,
 @pytest.mark.slow
 @torch.no_grad()
 def test_compiled_document_attention_isolates_documents_without_recompiling(mask_kind):
-    """torch.compile(fullgraph=True): new document layouts in every batch, one graph for all."""
+    """torch.compile(fullgraph=True): new document layouts in every batch, one graph for all (on one
+    block: the mask a block sees does not depend on the depth)."""
     import torch._dynamo
 
-    doc_model, _ = models()
+    doc_model, _ = models(dataclasses.replace(CFG, n_layers=1))
     compiled = torch.compile(doc_model, fullgraph=True, dynamic=False)
     later = tokens(40, seed=2)
     batches = [
@@ -189,9 +190,10 @@ def test_compiled_document_attention_isolates_documents_without_recompiling(mask
 
 @pytest.mark.slow
 def test_compiled_training_with_document_attention_follows_eager_without_recompiles(tiny_data, tmp_path):
-    """The loop under --compile: one graph for every batch's document layout (evals' too), the eager losses."""
+    """The loop under --compile: one graph for every batch's document layout (evals' too), the eager
+    losses. One block: the mask is the same in every block."""
     _, records, eager = eager_and_compiled(
-        tiny_data, tmp_path, max_steps=4, log_every=2, eval_every=2, eval_tokens=192, attention="document"
+        tiny_data, tmp_path, n_layers=1, max_steps=4, log_every=2, eval_every=2, eval_tokens=192, attention="document"
     )
     assert [r["recompiles"] for r in records] == [0, 0]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in eager], rel=1e-4)

@@ -299,7 +299,10 @@ def test_cuda_bf16_run_with_kernels_resumes(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_eager_and_compiled_losses_agree(tiny_data, tmp_path):
-    compiled, records, eager = eager_and_compiled(tiny_data, tmp_path, max_steps=3, log_every=1, eval_every=100)
+    """On one block, not the tiny preset's two: what is compared does not depend on the depth."""
+    compiled, records, eager = eager_and_compiled(
+        tiny_data, tmp_path, n_layers=1, max_steps=3, log_every=1, eval_every=100
+    )
     assert "compile True" in compiled.stdout
     np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in eager], rtol=1e-4)
 

@@ -347,6 +347,8 @@ def test_mc_eval_under_compile_matches_eager_and_training_does_not_recompile(tin
     mc.write_text("\n".join(map(json.dumps, mc_rows())))
     args = [
         *TINY,
+        "--n-layers",  # one block: the eval's graphs do not depend on the depth
+        "1",
         "--data",
         str(tiny_data),
         "--eval-mc",
