@@ -273,6 +273,7 @@ def test_ddp_rank_holds_its_gradient_buckets():
     assert abs(two.peak.bytes - one.peak.bytes) <= 2**20 + 0.02 * one.peak.bytes
 
 
+@pytest.mark.slow  # ~15-20 s of FSDP traces (auto's search among them): the fast half's largest
 def test_fsdp_reshard_grads_keeps_no_unsharded_gradients():
     """--fsdp-reshard-grads (reduce-scatter at every micro-step): no unsharded fp32 gradients across
     micro-steps, a peak lower by about their size; the plan prints the other choice's peak; auto
