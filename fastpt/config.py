@@ -140,7 +140,7 @@ class TrainConfig:
         0.02, "Muon's peak learning rate (--optimizer muon), on the same schedule", domain=POSITIVE
     )
     muon_momentum: float = setting(
-        0.95, "Muon's (Nesterov) momentum, reached after muon_momentum_warmup steps", domain=BETA
+        0.95, "Muon's (Nesterov) momentum, reached after muon_momentum_warmup steps", domain=BETA, recipe=True
     )
     muon_momentum_warmup: int = setting(
         300, "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0 = off", domain=NON_NEGATIVE

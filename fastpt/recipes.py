@@ -14,6 +14,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "seed": {},
     "modern": {
         "optimizer": "muon",
+        "muon_momentum": 0.85,
         "schedule": "wsd",
         "decay_shape": "sqrt",
         "qk_norm": True,

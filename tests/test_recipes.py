@@ -20,7 +20,7 @@ from fastpt.model import Transformer
 from fastpt.optim import optimizers_for
 from fastpt.recipes import RECIPES
 
-MODERN = {"optimizer": "muon", "schedule": "wsd", "decay_shape": "sqrt", "qk_norm": True}
+MODERN = {"optimizer": "muon", "muon_momentum": 0.85, "schedule": "wsd", "decay_shape": "sqrt", "qk_norm": True}
 
 
 def test_every_recipe_sets_known_keys_and_seed_sets_none():
@@ -44,7 +44,7 @@ def test_modern_sets_its_values_and_explicit_flags_or_toml_keys_win(tmp_path):
 def test_the_runs_config_toml_names_the_recipe_and_reproduces_the_config(tmp_path):
     cfg = resolve({"recipe": "modern", "lr": 3e-3, "decay_floor": 0.05}, None, "cpu")
     text = to_toml(cfg)
-    assert text.splitlines()[0].startswith("# recipe modern: optimizer=muon, schedule=wsd")
+    assert text.splitlines()[0].startswith("# recipe modern: optimizer=muon, muon_momentum=0.85, schedule=wsd")
     (tmp_path / "config.toml").write_text(text)
     assert resolve({}, str(tmp_path / "config.toml"), "cpu") == cfg
 
@@ -57,7 +57,7 @@ def test_help_lists_what_each_recipe_sets(capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "modern: optimizer=muon, schedule=wsd, decay_shape=sqrt, qk_norm=True" in help_text
+    assert "modern: optimizer=muon, muon_momentum=0.85, schedule=wsd, decay_shape=sqrt, qk_norm=True" in help_text
 
 
 def test_zero_init_starts_the_output_projections_at_zero_and_a_step_moves_them(tiny_data, tmp_path, capsys):
@@ -95,7 +95,7 @@ def test_the_summary_names_the_recipe_choices_and_the_dashboard_each_groups_lr(t
     code, out, err = run_main(train.main, [*args, "--no-tie-embeddings", "--packing", "bos"], capsys)
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("recipe "))
-    for choice in ("optimizer muon", "schedule wsd", "decay_shape sqrt", "qk_norm True"):
+    for choice in ("optimizer muon", "muon_momentum 0.85", "schedule wsd", "decay_shape sqrt", "qk_norm True"):
         assert choice in line, line
     assert "tie_embeddings False" in line and "packing bos" in line
     record = read_metrics(tmp_path / "modern")[0]
