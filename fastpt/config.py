@@ -150,7 +150,8 @@ class TrainConfig:
     )
     embed_lr: float = setting(
         0.0,
-        "--optimizer muon: the untied embedding's peak AdamW LR; 0 = nanochat's 0.2 * (dim / 768) ** -0.5",
+        "--optimizer muon: the untied embedding's peak AdamW LR; 0 = 0.004 * (dim / 768) ** -0.5 "
+        "(nanochat's 0.2, for its embedding at init std 1, at ours of 0.02)",
         domain=NON_NEGATIVE,
     )
     head_lr: float = setting(
@@ -167,6 +168,7 @@ class TrainConfig:
         "ndim",
         "ndim: decay tensors with >= 2 dims; strict: also spare biases, norms, embeddings",
         choices=("ndim", "strict"),
+        recipe=True,
     )
     beta1: float = setting(0.9, "AdamW beta1", domain=BETA)
     beta2: float = setting(0.95, "AdamW beta2", domain=BETA)

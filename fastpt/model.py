@@ -15,6 +15,8 @@ from fastpt import kernels
 from fastpt.attention import attend, document_mask
 from fastpt.presets import ModelConfig
 
+INIT_STD = 0.02  # GPT-2's: every weight matrix, the token embedding included
+
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -185,7 +187,7 @@ class Transformer(nn.Module):
         """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 * n_layers);
         zero_init: those projections (attention wo, MLP down) at zero instead, so each block
         starts as the identity (modded-nanogpt, nanochat)."""
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             is_residual = name.endswith(("wo.weight", "w2.weight"))
             if p.dim() < 2:
@@ -193,7 +195,7 @@ class Transformer(nn.Module):
             elif is_residual and zero_init:
                 nn.init.zeros_(p)
             else:
-                nn.init.normal_(p, mean=0.0, std=residual_std if is_residual else 0.02)
+                nn.init.normal_(p, mean=0.0, std=residual_std if is_residual else INIT_STD)
 
     @property
     def output_weight(self) -> torch.Tensor:

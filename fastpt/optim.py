@@ -12,11 +12,15 @@ import torch
 import torch.nn as nn
 
 from fastpt.config import TrainConfig, wsd_decay_steps
+from fastpt.model import INIT_STD
 from fastpt.muon import Muon
 from fastpt.presets import PRESETS
 
-# nanochat's AdamW LRs beside Muon, tuned at width 768 and scaled as (dim / 768) ** -0.5.
-EMBED_LR_768, HEAD_LR_768 = 0.2, 0.004
+# nanochat's AdamW LRs beside Muon, tuned at width 768 and scaled as (dim / 768) ** -0.5. Its 0.2 for
+# the embedding is for one initialized at std 1; AdamW's step does not scale with the weights, so
+# ours, at INIT_STD, takes 0.2 * INIT_STD for the same relative step (the best of 0.0035-1.39 in the
+# race's screen at width 64, docs/recipes.md).
+EMBED_LR_768, HEAD_LR_768 = 0.2 * INIT_STD, 0.004
 MUON_MOMENTUM_START = 0.85  # Muon's momentum warms up from here (nanochat, modded-nanogpt)
 # Each setting reapply_settings puts back after a resume: what the config says, not the checkpoint.
 OPTIMIZER_SETTINGS = (
@@ -81,7 +85,8 @@ def is_tied(cfg: TrainConfig) -> bool:
 def peak_lrs(cfg: TrainConfig, dim: int, tied: bool | None = None) -> dict[str, float]:
     """Each group's peak LR by name: "lr" (the seed's groups; under Muon the norms), and under
     --optimizer muon "muon", "head" and, with an untied head, "embed" (a tied matrix is the head's
-    group). --embed-lr / --head-lr 0 take nanochat's 0.2 / 0.004 times (dim / 768) ** -0.5.
+    group). --embed-lr / --head-lr 0 take 0.2 * INIT_STD (nanochat's 0.2 at our init) / nanochat's
+    0.004, times (dim / 768) ** -0.5.
     `tied`: the model's tie_embeddings, by default the config's (or its preset's)."""
     if cfg.optimizer != "muon":
         return {"lr": cfg.lr}

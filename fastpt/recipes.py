@@ -18,6 +18,8 @@ RECIPES: dict[str, dict[str, Any]] = {
         "schedule": "wsd",
         "decay_shape": "sqrt",
         "qk_norm": True,
+        "tie_embeddings": False,
+        "decay_rule": "strict",
     },
 }
 

@@ -62,11 +62,13 @@ def test_muon_takes_the_blocks_matrices_and_adamw_keeps_the_rest_in_named_groups
 
 @pytest.mark.parametrize("dim", [64, 768])
 def test_each_group_runs_at_its_own_peak_lr_on_the_schedule(dim):
-    """nanochat's AdamW LRs beside Muon: embedding 0.2, head 0.004, times (dim / 768) ** -0.5;
-    the norms at --lr, Muon at --muon-lr; betas (0.8, 0.95) for the embedding and head."""
+    """nanochat's AdamW LRs beside Muon: embedding 0.2 (for its init std 1, so 0.2 x 0.02 at ours),
+    head 0.004, times (dim / 768) ** -0.5; the norms at --lr, Muon at --muon-lr; betas (0.8, 0.95)
+    for the embedding and head."""
     width = (dim / 768) ** -0.5
     cfg = dataclasses.replace(MUON, tie_embeddings=False)
-    assert peak_lrs(cfg, dim) == pytest.approx({"lr": 1e-3, "embed": 0.2 * width, "head": 0.004 * width, "muon": 0.02})
+    peaks = {"lr": 1e-3, "embed": 0.2 * 0.02 * width, "head": 0.004 * width, "muon": 0.02}
+    assert peak_lrs(cfg, dim) == pytest.approx(peaks)
     assert peak_lrs(MUON, dim) == pytest.approx({"lr": 1e-3, "head": 0.004 * width, "muon": 0.02})  # tied
     assert peak_lrs(dataclasses.replace(cfg, embed_lr=0.05, head_lr=0.01), dim) == {
         "lr": 1e-3,

@@ -20,7 +20,15 @@ from fastpt.model import Transformer
 from fastpt.optim import optimizers_for
 from fastpt.recipes import RECIPES
 
-MODERN = {"optimizer": "muon", "muon_momentum": 0.85, "schedule": "wsd", "decay_shape": "sqrt", "qk_norm": True}
+MODERN = {
+    "optimizer": "muon",
+    "muon_momentum": 0.85,
+    "schedule": "wsd",
+    "decay_shape": "sqrt",
+    "qk_norm": True,
+    "tie_embeddings": False,
+    "decay_rule": "strict",
+}
 
 
 def test_every_recipe_sets_known_keys_and_seed_sets_none():
@@ -57,7 +65,10 @@ def test_help_lists_what_each_recipe_sets(capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "modern: optimizer=muon, muon_momentum=0.85, schedule=wsd, decay_shape=sqrt, qk_norm=True" in help_text
+    assert (
+        "modern: optimizer=muon, muon_momentum=0.85, schedule=wsd, decay_shape=sqrt, qk_norm=True, "
+        "tie_embeddings=False, decay_rule=strict" in help_text
+    )
 
 
 def test_zero_init_starts_the_output_projections_at_zero_and_a_step_moves_them(tiny_data, tmp_path, capsys):
@@ -92,12 +103,12 @@ def test_qk_norm_adds_a_scale_per_head_dim_to_queries_and_keys():
 
 def test_the_summary_names_the_recipe_choices_and_the_dashboard_each_groups_lr(tiny_data, tmp_path, capsys):
     args = tiny_args(tiny_data, tmp_path / "modern", "--recipe", "modern", max_steps=4, warmup_steps=1, log_every=2)
-    code, out, err = run_main(train.main, [*args, "--no-tie-embeddings", "--packing", "bos"], capsys)
+    code, out, err = run_main(train.main, [*args, "--packing", "bos"], capsys)
     assert code == 0, err
     line = next(line for line in out.splitlines() if line.startswith("recipe "))
     for choice in ("optimizer muon", "muon_momentum 0.85", "schedule wsd", "decay_shape sqrt", "qk_norm True"):
         assert choice in line, line
-    assert "tie_embeddings False" in line and "packing bos" in line
+    assert "tie_embeddings False" in line and "decay_rule strict" in line and "packing bos" in line
     record = read_metrics(tmp_path / "modern")[0]
     assert {"lr", "lr/muon", "lr/embed", "lr/head"} <= set(record)
     dash = next(line for line in out.splitlines() if line.startswith("Step     2/4 | Loss"))
