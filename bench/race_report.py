@@ -170,7 +170,9 @@ def corpus_section(name: str, result: dict) -> str:
         + ", ".join(f"{b['fraction']:g}x ({b['steps']:,} steps)" for b in result["rows"][0]["budgets"])
         + ".",
         f"Target: the seed's mean final val loss at the full budget, {budget_text(seed)}.",
-        f"Best combination: {members}" + (f" (`{' '.join(combo['flags'])}`)" if combo["flags"] else "") + ".",
+        f"Best combination of the options (`seed` and `modern` are none): {members}"
+        + (f" (`{' '.join(combo['flags'])}`)" if combo["flags"] else "")
+        + ".",
         *goal_lines(result),
         *([f"Best LR still at an edge of the widened sweep: {', '.join(edge)}."] if edge else []),
         "",
