@@ -168,5 +168,6 @@ def test_resume_takes_the_runs_config_as_its_base_below_config_and_flags(modern_
     train_refuses(
         capsys,
         [*again, "--recipe", "seed"],
-        "written for another model (qk_norm True != False); resume with --recipe modern (this run says --recipe seed)",
+        "written for another model (tie_embeddings False != True, qk_norm True != False); "
+        "resume with --recipe modern (this run says --recipe seed)",
     )
