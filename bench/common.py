@@ -115,7 +115,7 @@ def kernel_rows_note(device: torch.device, rows: str) -> str:
         return ""
     from fastpt import kernels
 
-    if kernels._interpret():
+    if kernels.interpreting():
         return f"{rows} run the Triton kernels through Triton's CPU interpreter (TRITON_INTERPRET=1), not compiled"
     return f"on a CPU {rows} run the PyTorch reference, not the Triton kernels, unless TRITON_INTERPRET=1"
 

@@ -13,10 +13,9 @@ from torch import Tensor
 
 from .reference import reduce_rows
 
-# The ops' namespace: fastpt's. A second copy of this folder imported under another name (a checkout
-# on sys.path, where Hugging Face's `kernels` package is looked for by that top-level name) registers
-# ops of its own instead of replacing these.
-NAMESPACE = "fastpt" if __name__ == "fastpt.kernels.functional" else __name__.split(".")[0]
+# The ops' namespace. The folder imports only as fastpt.kernels (kernels/__init__.py), so these
+# are registered once.
+NAMESPACE = "fastpt"
 
 
 def _no_double_backward(op: str) -> None:

@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from fastpt import kernels
-from fastpt.kernels import reference, scratch
+from fastpt.kernels import api, reference, scratch
 
 OPS_MODULES = (
     "fastpt.kernels.ops.cross_entropy",
     "fastpt.kernels.ops.linear_cross_entropy",
     "fastpt.kernels.ops.rms_norm",
 )
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or kernels._interpret(), reason="needs CUDA, no interpreter")
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or kernels.interpreting(), reason="needs CUDA, no interpreter")
 KERNELS = {
     "rms_norm": ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"),
     "cross_entropy": ("_cross_entropy_kernel",),
@@ -435,7 +435,7 @@ def test_bad_arguments(monkeypatch):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="'cuda'"):
         kernels.rms_norm(x, torch.ones(8), backend="cuda")
-    for backend in kernels.BACKENDS[1:]:  # checked before a backend is chosen: each refuses alike
+    for backend in api.BACKENDS[1:]:  # checked before a backend is chosen: each refuses alike
         with pytest.raises(ValueError, match="'avg'"):
             kernels.cross_entropy(x, torch.zeros(2, dtype=torch.long), reduction="avg", backend=backend)
         with pytest.raises(ValueError, match="logits must be 2-D"):

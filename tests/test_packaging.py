@@ -1,11 +1,14 @@
 """The installed distribution owns no top-level import name of another distribution's: kernels/
-installs as fastpt.kernels, and bench/ runs from the checkout only."""
+installs as fastpt.kernels (from a checkout's root it stands aside for another `kernels`), and bench/ runs
+from the checkout only."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -35,22 +38,78 @@ def test_another_top_level_kernels_package_does_not_touch_fastpt(tmp_path):
     assert result.stdout.strip() == str(REPO / "kernels" / "__init__.py")
 
 
-def test_the_folder_imported_again_as_kernels_leaves_fastpts_ops_alone(tmp_path):
-    """From a checkout, `import kernels` (transformers looks for Hugging Face's package by that name)
-    finds this folder: that second copy must register ops of its own, not replace fastpt's."""
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import torch; import fastpt.kernels as ours\n"
-        "from fastpt.kernels.ops import rms_norm as ops\n"
-        "calls = []; real = ops.rms_norm_forward\n"
-        "ops.rms_norm_forward = lambda *a: calls.append(1) or real(*a)\n"
-        "import kernels as stray\n"
-        "assert stray is not ours and stray.functional.NAMESPACE == 'kernels'\n"
-        "ours.rms_norm(torch.randn(3, 16), torch.ones(16), backend='triton')\n"
-        "print(len(calls))"
+def import_kernels_from_the_root(tmp_path, other: str | None) -> subprocess.CompletedProcess:
+    """`import kernels` in a process whose sys.path starts at the checkout's root (as `python -m` or
+    pytest there), then another `kernels` package (`other`, its __init__ text; None: no other at all,
+    site-packages left out)."""
+    if other is not None:
+        (tmp_path / "kernels").mkdir()
+        (tmp_path / "kernels" / "__init__.py").write_text(other)
+        (tmp_path / "kernels" / "hub.py").write_text("NAME = 'the hub module'\n")
+        code = (
+            "import sys; sys.path[:] = sys.argv[1:3] + sys.path\n"
+            "import kernels, fastpt.kernels as ours\n"
+            "from kernels.hub import NAME\n"
+            "print(kernels.__file__, ours.__file__, NAME, sep='\\n')"
+        )
+    else:
+        code = "import sys; sys.path[:] = sys.argv[1:2] + [p for p in sys.path if 'site-packages' not in p]\n"
+        code += "import kernels"
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    return subprocess.run(
+        [sys.executable, "-c", code, str(REPO), str(tmp_path)], capture_output=True, text=True, cwd=cwd
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+
+
+def test_import_kernels_from_the_root_gets_the_other_distributions_package(tmp_path):
+    """The folder stands aside for the next `kernels` on sys.path (transformers imports Hugging Face's
+    by that name), its submodules included, and fastpt.kernels stays fastpt's."""
+    result = import_kernels_from_the_root(tmp_path, other="CUDAProperties = object\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == [
+        str(tmp_path / "kernels" / "__init__.py"),
+        str(REPO / "kernels" / "__init__.py"),
+        "the hub module",
+    ]
+
+
+def test_import_kernels_from_the_root_without_another_fails_as_if_the_folder_were_not_there(tmp_path):
+    result = import_kernels_from_the_root(tmp_path, other=None)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'kernels'"
+
+
+def test_transformers_and_lm_eval_work_from_the_repository_root(tmp_path):
+    """A process started in the checkout (its root first on sys.path, as `python -m` or a script there)
+    with the installed transformers, Hugging Face's `kernels` and lm-eval: an export loads with
+    AutoModelForCausalLM and computes fastpt's logits, and lm-eval's HF model class imports."""
+    pytest.importorskip("transformers")
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "from lm_eval.models.huggingface import HFLM\n"
+        "from fastpt import hf\n"
+        "from fastpt.config import ModelConfig\n"
+        "from fastpt.model import Transformer\n"
+        "cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64, max_seq_len=16)\n"
+        "ours = Transformer(cfg).eval()\n"
+        "import pathlib\n"
+        "hf.save_hf(pathlib.Path(sys.argv[1]), cfg, ours.state_dict())\n"
+        "theirs = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+        "ids = torch.randint(0, 64, (2, 16))\n"
+        "with torch.no_grad():\n"
+        "    torch.testing.assert_close(theirs(ids).logits, ours(ids)[0], atol=1e-4, rtol=0)\n"
+        "import kernels, importlib.metadata as md\n"
+        "print(kernels.__file__ != sys.argv[2], md.version('transformers'), md.version('kernels'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
-        [sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, cwd=tmp_path, env=env
+        [sys.executable, "-c", code, str(tmp_path), str(REPO / "kernels" / "__init__.py")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "1"  # fastpt's launcher ran, not the stray copy's
+    assert result.stdout.split()[0] == "True", result.stdout

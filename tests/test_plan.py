@@ -202,16 +202,21 @@ def test_private_torch_apis_resolve():
 
 
 def test_a_moved_private_api_is_named(monkeypatch):
-    """When a torch upgrade moves one, the failure names it."""
+    """When a torch upgrade moves one, the failure names it. A config entry "moves" in a stand-in for
+    the config module: torch's own config modules change only through config.patch (see
+    test_no_test_monkeypatches_a_torch_config_module)."""
+    import torch._inductor.config as inductor_config
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     monkeypatch.delattr(ShardingPropagator, "_propagate_tensor_meta_non_cached")
-    monkeypatch.delattr(torch._inductor.config, "realize_reads_threshold")
+    settings = inductor_config.get_config_copy()
+    del settings["realize_reads_threshold"]
+    monkeypatch.setattr(torch._inductor, "config", SimpleNamespace(**settings))
     gone = [line.split(":")[0] for line in torch_internals.missing()]
     assert gone == ["ShardingPropagator._propagate_tensor_meta_non_cached", "torch._inductor.config realize thresholds"]
 
 
-def test_lowering_reads_inductors_thresholds(monkeypatch):
+def test_lowering_reads_inductors_thresholds():
     """The replay's realize rules take their thresholds from torch._inductor.config, per device
     (torch 2.13: accumulated reads 12 on a CPU, 8 on CUDA; 2.11: 8 on both): lowered, a value is stored
     instead."""
@@ -230,8 +235,8 @@ def test_lowering_reads_inductors_thresholds(monkeypatch):
         )
     gm = make_fx(lambda *xs: torch.mm(sum(xs[1:], xs[0] * 2), xs[0]))(*[torch.randn(4, 4) for _ in range(10)])
     inlined = {n.name for n in Lowering(gm, "cuda", backward=False).fused}
-    monkeypatch.setattr(inductor_config, "realize_acc_reads_threshold", 2)
-    assert {n.name for n in Lowering(gm, "cuda", backward=False).fused} < inlined
+    with inductor_config.patch(realize_acc_reads_threshold=2):
+        assert {n.name for n in Lowering(gm, "cuda", backward=False).fused} < inlined
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
