@@ -1,0 +1,66 @@
+"""A run's config.toml, which a resume starts from: written atomically and only by a run that will
+start, and checked against the checkpoint's own train_config (the source of truth) on a resume."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import faults
+from conftest import REPO, assert_one_line_error, run_main, run_quietly, tiny_args
+from fastpt import metrics, train
+
+
+def short_run(data: Path, out: Path, *extra: str, max_steps: int = 2) -> list[str]:
+    """A run whose cadences are not the CPU profile's, so a lost key would show."""
+    return tiny_args(data, out, *extra, max_steps=max_steps, log_every=1, ckpt_every=1, eval_every=2)
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_data, tmp_path_factory) -> Path:
+    """A 2-step run with its checkpoints and config.toml."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    code, _, err = run_quietly(train.main, short_run(tiny_data, out))
+    assert code == 0, err
+    return out
+
+
+@pytest.fixture
+def run_dir(finished, tmp_path) -> Path:
+    shutil.copytree(finished, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_a_resume_refused_by_a_read_only_folder_leaves_config_toml_as_it_was(run_dir, tiny_data, capsys, monkeypatch):
+    """The run folder refuses a write (copying the tokenizer in): the resume stops with one line, and
+    config.toml still says the old max_steps (root writes anywhere, so the refusal is patched in)."""
+    before = (run_dir / "config.toml").read_text()
+
+    def read_only(*args: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(metrics, "copy_for_run", read_only)
+    code, _, err = run_main(train.main, short_run(tiny_data, run_dir, "--resume", max_steps=4), capsys)
+    assert_one_line_error(code, err, "cannot write the run folder", "Permission denied")
+    assert (run_dir / "config.toml").read_text() == before
+
+
+def test_a_resume_under_a_file_size_limit_does_not_cut_config_toml(run_dir, tiny_data):
+    """`ulimit -f 1`: the resume's writes fail (EFBIG); config.toml stays whole, and the next resume,
+    without the limit, runs."""
+    before = (run_dir / "config.toml").read_text()
+    assert len(before) > 1024  # the limit falls inside it
+    args = short_run(tiny_data, run_dir, "--resume", max_steps=4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    limited = subprocess.run(
+        faults.script_args("file-size-limit", 1024, *args), capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert limited.returncode != 0 and "Traceback" not in limited.stderr, limited.stderr
+    assert (run_dir / "config.toml").read_text() == before
+    assert not list(run_dir.glob(".config.toml.tmp*"))
+    code, _, err = run_quietly(train.main, args)
+    assert code == 0, err
