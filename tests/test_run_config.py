@@ -11,13 +11,19 @@ from pathlib import Path
 import pytest
 
 import faults
-from conftest import REPO, assert_one_line_error, run_main, run_quietly, tiny_args
-from fastpt import metrics, train
+from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_quietly, tiny_args
+from fastpt import checkpoint, hf, metrics, train
+from fastpt.model import Transformer
+from fastpt.presets import ModelConfig
 
 
 def short_run(data: Path, out: Path, *extra: str, max_steps: int = 2) -> list[str]:
     """A run whose cadences are not the CPU profile's, so a lost key would show."""
     return tiny_args(data, out, *extra, max_steps=max_steps, log_every=1, ckpt_every=1, eval_every=2)
+
+
+def ckpt_names(run_dir: Path) -> list[str]:
+    return [p.name for p in checkpoint.checkpoints(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +70,36 @@ def test_a_resume_under_a_file_size_limit_does_not_cut_config_toml(run_dir, tiny
     assert not list(run_dir.glob(".config.toml.tmp*"))
     code, _, err = run_quietly(train.main, args)
     assert code == 0, err
+
+
+def test_a_config_toml_cut_at_a_line_end_resumes_with_the_checkpoints_values(run_dir, tiny_data, capsys):
+    """config.toml cut before log_every (valid TOML, the rest lost): the checkpoint's train_config
+    fills in what it lacks, said in a warning; the run logs and saves every step as before, not at
+    the CPU profile's defaults."""
+    lines = (run_dir / "config.toml").read_text().splitlines(keepends=True)
+    cut = next(i for i, line in enumerate(lines) if line.startswith("log_every"))
+    (run_dir / "config.toml").write_text("".join(lines[:cut]))
+    code, _, err = run_main(train.main, [*TINY, "--out", str(run_dir), "--resume", "--max-steps", "4"], capsys)
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert ckpt_names(run_dir)[-2:] == ["ckpt_00000003.pt", "ckpt_00000004.pt"]
+    assert f"fastpt: warning: {run_dir / 'config.toml'} lacks log_every, " in err, err
+    assert "the checkpoint's values apply" in err
+    assert "log_every = 1\n" in (run_dir / "config.toml").read_text()
+
+
+def test_a_resume_never_needs_the_init_from_folder(tiny_data, tmp_path, capsys):
+    """A run started with --init-from HF_FOLDER resumes after that folder is gone: the checkpoint
+    holds the whole model and its config."""
+    shape = ModelConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=64)
+    hf.save_hf(tmp_path / "hf", shape, Transformer(shape).state_dict())
+    args = short_run(tiny_data, tmp_path / "run", "--init-from", str(tmp_path / "hf"))
+    code, _, err = run_main(train.main, args, capsys)
+    assert code == 0, err
+    shutil.rmtree(tmp_path / "hf")
+    code, out, err = run_main(
+        train.main, [*TINY, "--out", str(tmp_path / "run"), "--resume", "--max-steps", "3"], capsys
+    )
+    assert code == 0, err
+    assert f"resumed from {tmp_path / 'run' / 'ckpt_00000002.pt'} at step 2" in out
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
