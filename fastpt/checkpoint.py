@@ -371,3 +371,10 @@ def saved_config(run_dir: str | Path, key: str) -> dict:
         if isinstance(ckpt, dict) and isinstance(ckpt.get(key), dict):
             return ckpt[key]
     return {}
+
+
+def resumed_model(run_dir: str | Path, resume: bool) -> ModelConfig | None:
+    """The model a --resume of `run_dir` continues: its newest checkpoint's; None for a fresh run or
+    a folder without one. A run from --init-from needs that folder only until its first checkpoint."""
+    saved = saved_config(run_dir, "model_config") if resume else {}
+    return ModelConfig.from_dict(saved) if saved else None

@@ -13,7 +13,9 @@ import pytest
 import faults
 from conftest import REPO, TINY, assert_one_line_error, read_metrics, run_main, run_quietly, tiny_args
 from fastpt import checkpoint, hf, metrics, train
+from fastpt.config import resolve
 from fastpt.model import Transformer
+from fastpt.plan.planner import planned_model
 from fastpt.presets import ModelConfig
 
 
@@ -103,3 +105,5 @@ def test_a_resume_never_needs_the_init_from_folder(tiny_data, tmp_path, capsys):
     assert code == 0, err
     assert f"resumed from {tmp_path / 'run' / 'ckpt_00000002.pt'} at step 2" in out
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3]
+    given = {"init_from": str(tmp_path / "hf"), "out": str(tmp_path / "run"), "resume": True, "data": str(tiny_data)}
+    assert planned_model(resolve(given, None, "cpu")).dim == 64  # what --micro-batch auto plans

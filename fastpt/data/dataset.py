@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from fastpt.checkpoint import saved_config
+from fastpt.checkpoint import resumed_model
 from fastpt.config import TrainConfig
 from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import INCOMPLETE, MAX_VOCAB, content_key, read_shard, shard_vocab
@@ -323,8 +323,8 @@ def init_model(cfg: TrainConfig) -> tuple[tuple[ModelConfig, dict | None], Path 
     """--init-from's (ModelConfig, fastpt-named weights) and tokenizer. A resume with a checkpoint
     takes the checkpoint's model config and no weights (it holds the whole model), and the run
     folder's tokenizer copy: the init folder may be gone by then."""
-    if cfg.resume and (saved := saved_config(cfg.out, "model_config")):
-        return (ModelConfig.from_dict(saved), None), hf_tokenizer_path(cfg.init_from) or hf_tokenizer_path(cfg.out)
+    if resumed := resumed_model(cfg.out, cfg.resume):
+        return (resumed, None), hf_tokenizer_path(cfg.init_from) or hf_tokenizer_path(cfg.out)
     return load_hf(cfg.init_from), hf_tokenizer_path(cfg.init_from)
 
 
