@@ -81,16 +81,24 @@ def resumed_run(cli: dict[str, Any], config_file: str | None, device: str) -> di
 
 
 def run_config(out: Path) -> dict[str, Any]:
-    """A run folder's config.toml, with the keys it lacks (a file cut at a line end, or none) taken
-    from the newest checkpoint's train_config, and said; {} for a folder with neither."""
+    """A run folder's config.toml, with the keys it lacks (a file cut at a line end, none, or one
+    that does not parse) taken from the newest checkpoint's train_config, and said; {} for a folder
+    with neither."""
     path = out / "config.toml"
-    toml = load_toml(str(path)) if path.is_file() else {}
     saved = {
         k: v
         for k, v in saved_config(out, "train_config").items()
         if k in FIELDS and k not in NOT_RESUMED and v is not None  # to_toml leaves out None (a preset's shape)
     }
+    toml, whole = {}, "is missing"
+    if path.is_file():
+        try:
+            toml = load_toml(str(path))
+        except ConfigError as e:
+            if not saved:
+                raise
+            whole = f"is unreadable ({e})"
     if lost := [k for k in saved if k not in toml]:
-        what = f"lacks {', '.join(lost)}" if toml else "is missing"
+        what = f"lacks {', '.join(lost)}" if toml else whole
         print(f"fastpt: warning: {path} {what}: the checkpoint's values apply", file=sys.stderr, flush=True)
     return {**saved, **toml}

@@ -90,6 +90,23 @@ def test_a_config_toml_cut_at_a_line_end_resumes_with_the_checkpoints_values(run
     assert "log_every = 1\n" in (run_dir / "config.toml").read_text()
 
 
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [(lambda path: path.write_text("max_steps = 2\nlr = 5e-"), "is unreadable"), (Path.unlink, "is missing")],
+    ids=["cut-mid-line", "deleted"],
+)
+def test_a_config_toml_that_does_not_parse_or_is_gone_gives_way_to_the_checkpoint(
+    run_dir, tiny_data, capsys, damage, says
+):
+    """A config.toml an older fastpt cut mid-line (not TOML), or none at all: the checkpoint's
+    train_config is the run's, said in a warning, and the resume goes on at the run's cadence."""
+    damage(run_dir / "config.toml")
+    code, _, err = run_main(train.main, [*TINY, "--out", str(run_dir), "--resume", "--max-steps", "3"], capsys)
+    assert code == 0, err
+    assert f"fastpt: warning: {run_dir / 'config.toml'} {says}" in err and "the checkpoint's values apply" in err
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+
+
 def test_a_resume_never_needs_the_init_from_folder(tiny_data, tmp_path, capsys):
     """A run started with --init-from HF_FOLDER resumes after that folder is gone: the checkpoint
     holds the whole model and its config."""
