@@ -10,6 +10,7 @@ import os
 import shlex
 from pathlib import Path
 
+from fastpt.data.shards import MAX_VOCAB
 from fastpt.errors import FastptError
 from fastpt.settings import SEED
 
@@ -78,7 +79,6 @@ def check_args(args: argparse.Namespace) -> None:
         "--speed-steps": 1,
         "--eval-tokens": 1,
         "--threads": 1,
-        "--vocab-size": 1,
     }
     for flag, low in least.items():
         if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
@@ -89,7 +89,11 @@ def check_args(args: argparse.Namespace) -> None:
     ):
         if not 0 <= value < 1:
             raise UsageError(f"{flag} {value:g}: must be in [0, 1)")
+    if not 257 <= args.vocab_size <= MAX_VOCAB:  # what fastpt.prepare trains a BPE at
+        raise UsageError(f"--vocab-size {args.vocab_size}: must be in [257, {MAX_VOCAB}] (256 bytes + end-of-text)")
     highest = int(SEED.high) - (args.seeds - 1)  # every seed of the race is one NumPy takes
+    if highest < 0:
+        raise UsageError(f"--seeds {args.seeds}: more than NumPy's {int(SEED.high) + 1} seeds")
     if not 0 <= args.seed <= highest:
         raise UsageError(f"--seed {args.seed}: must be in [0, {highest}] with --seeds {args.seeds}")
     for spec in args.corpora.split(","):

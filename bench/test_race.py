@@ -64,6 +64,9 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
         (["--budgets", "1e-9,1"], "--budgets 1e-09: "),
         (["--tokens-per-param", "1e-9"], "--tokens-per-param 1e-09: the full budget is"),
         (["--sweep", "seed,nope"], "--sweep: unknown recipe 'nope'"),
+        (["--seeds", str(2**40)], f"--seeds {2**40}: more than NumPy's 4294967296 seeds"),
+        (["--vocab-size", "100"], "--vocab-size 100: must be in [257, 2097152]"),
+        (["--vocab-size", str(10**12)], f"--vocab-size {10**12}: must be in [257, 2097152]"),
         (
             ["--save", "/dev/null/out"],
             "--save '/dev/null/out': cannot write there ('/dev/null' is not a writable folder)",
