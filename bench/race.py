@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import shutil
@@ -39,19 +38,20 @@ from bench import race_report
 from bench.common import REPO
 from bench.race_flags import (
     BASE,
-    CHECK_STEPS,
     MODEL,
     RECIPES,
     SWEPT,
     Parser,
+    budget_steps,
     check_args,
     check_recipes,
     common_flags,
+    folder_vocab,
     given_multipliers,
     lr_flags,
     numbers,
     recipes,
-    resolve,
+    seed_size,
 )
 from bench.race_stats import beats, below_range, best_run, difference, summarize, tokens_to_target, widened
 from fastpt.errors import USAGE_EXIT, FastptError
@@ -104,10 +104,9 @@ class Race:
 
     def __init__(self, args: argparse.Namespace, data: Path, work: Path):
         self.args, self.data, self.work = args, data, work
-        self.vocab, self.params = model_size(args, data)
-        self.tokens_per_step = tokens_per_step(args)
-        self.steps = math.ceil(args.tokens_per_param * self.params / self.tokens_per_step)
-        self.budgets = [(f, max(1, math.ceil(f * self.steps))) for f in numbers("--budgets", args.budgets, high=1.0)]
+        self.vocab = folder_vocab(data)
+        self.params, self.tokens_per_step = seed_size(args, self.vocab)
+        self.steps, self.budgets = budget_steps(args, self.params, self.tokens_per_step)
         self.runs: list[dict] = []
 
     def one(self, recipe: str, flags: list[str], mult: float, budget: tuple[float, int], seed: int) -> dict:
@@ -225,19 +224,6 @@ def score(result: dict, speeds: dict[str, float | None]) -> None:
     for row in rows:
         for key, x in (("tokens", "tokens_to_target"), ("seconds", "seconds_to_target")):
             row[f"{key}_vs_seed"] = row[x] / seed[x] if row[x] and seed[x] else None
-
-
-def model_size(args: argparse.Namespace, data: Path) -> tuple[int, int]:
-    """The data's vocab and the seed model's parameter count on it."""
-    from fastpt.presets import model_config
-
-    vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
-    return vocab, model_config(resolve(common_flags(args, CHECK_STEPS), args.device), vocab).num_params()
-
-
-def tokens_per_step(args: argparse.Namespace) -> int:
-    cfg = resolve(common_flags(args, CHECK_STEPS), args.device)
-    return cfg.seq_len * cfg.micro_batch * cfg.grad_accum
 
 
 # ---- the speed rounds

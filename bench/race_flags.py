@@ -4,11 +4,15 @@ on a bad value), and the fastpt.train flags of each run (model, schedule fitted 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import shlex
 from pathlib import Path
 
+from fastpt.data.shards import MAX_VOCAB
 from fastpt.errors import FastptError
+from fastpt.settings import SEED
 
 RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to the seed recipe
     "seed": [],
@@ -47,14 +51,15 @@ class Parser(argparse.ArgumentParser):
 
 
 def numbers(flag: str, text: str, low: float = 0.0, high: float = math.inf) -> list[float]:
-    """A comma-separated list of numbers in (low, high]; else one line naming the flag and value."""
+    """A comma-separated list of finite numbers in (low, high]; else one line naming the flag and value."""
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         raise UsageError(f"{flag} {text!r}: not a comma-separated list of numbers") from None
-    if not all(low < v <= high for v in values):  # NaN fails too
+    if not all(math.isfinite(v) and low < v <= high for v in values):  # NaN fails too
         raise UsageError(
-            f"{flag} {text!r}: every value must be > {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            f"{flag} {text!r}: every value must be > {low:g}"
+            + (f" and <= {high:g}" if high < math.inf else " and finite")
         )
     return values
 
@@ -74,7 +79,6 @@ def check_args(args: argparse.Namespace) -> None:
         "--speed-steps": 1,
         "--eval-tokens": 1,
         "--threads": 1,
-        "--vocab-size": 1,
     }
     for flag, low in least.items():
         if (value := getattr(args, flag[2:].replace("-", "_"))) < low:
@@ -85,11 +89,78 @@ def check_args(args: argparse.Namespace) -> None:
     ):
         if not 0 <= value < 1:
             raise UsageError(f"{flag} {value:g}: must be in [0, 1)")
+    if not 257 <= args.vocab_size <= MAX_VOCAB:  # what fastpt.prepare trains a BPE at
+        raise UsageError(f"--vocab-size {args.vocab_size}: must be in [257, {MAX_VOCAB}] (256 bytes + end-of-text)")
+    highest = int(SEED.high) - (args.seeds - 1)  # every seed of the race is one NumPy takes
+    if highest < 0:
+        raise UsageError(f"--seeds {args.seeds}: more than NumPy's {int(SEED.high) + 1} seeds")
+    if not 0 <= args.seed <= highest:
+        raise UsageError(f"--seed {args.seed}: must be in [0, {highest}] with --seeds {args.seeds}")
     for spec in args.corpora.split(","):
         if spec not in ("default", "shakespeare") and not (Path(spec) / "meta.json").is_file():
             raise UsageError(f"--corpora: {spec!r} is not 'default', 'shakespeare' or a prepared folder (no meta.json)")
     check_fitted("--train-args", shlex.split(args.train_args))
     given_multipliers(args)
+    names = {*RECIPES, *(spec.partition("=")[0] for spec in args.recipe)}
+    if unknown := [name for name in args.sweep.split(",") if name not in names]:
+        raise UsageError(f"--sweep: unknown recipe {unknown[0]!r} (RECIPES: {', '.join(RECIPES)}, or a --recipe)")
+    if args.device == "cuda" and not torch_sees_cuda():
+        raise UsageError("--device cuda: torch sees no CUDA device")
+    for flag, folder in (("--work", args.work), ("--save", args.save)):
+        if folder:
+            writable(flag, Path(folder))
+    for spec in dict.fromkeys(args.corpora.split(",")):
+        budget_steps(args, *seed_size(args, corpus_vocab(spec, args.vocab_size)))
+
+
+def torch_sees_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def writable(flag: str, folder: Path) -> None:
+    """`folder` can be made and written: its nearest existing ancestor is a folder this process may
+    write in (checked, not tried, so a refused race leaves nothing behind)."""
+    there = next(p for p in (folder, *folder.parents) if p.exists())
+    if not (there.is_dir() and os.access(there, os.W_OK | os.X_OK)):
+        raise UsageError(f"--{flag[2:]} {str(folder)!r}: cannot write there ({str(there)!r} is not a writable folder)")
+
+
+def corpus_vocab(spec: str, vocab_size: int) -> int:
+    """A corpus's vocab: --vocab-size for those the race prepares, a prepared folder's own."""
+    return vocab_size if spec in ("default", "shakespeare") else folder_vocab(Path(spec))
+
+
+def folder_vocab(data: Path) -> int:
+    return json.loads((data / "meta.json").read_text())["vocab_size"]
+
+
+def seed_size(args: argparse.Namespace, vocab: int) -> tuple[int, int]:
+    """The seed model's parameter count at `vocab`, and the tokens of one of its steps."""
+    from fastpt.presets import model_config
+
+    cfg = resolve(common_flags(args, CHECK_STEPS), args.device)
+    return model_config(cfg, vocab).num_params(), cfg.seq_len * cfg.micro_batch * cfg.grad_accum
+
+
+def budget_steps(args: argparse.Namespace, params: int, per_step: int) -> tuple[int, list[tuple[float, int]]]:
+    """The full budget's steps and each --budgets fraction's (fraction, steps); one line when the
+    budget, or a fraction of it, is less than one step."""
+    full = args.tokens_per_param * params / per_step
+    if full < 1:
+        raise UsageError(
+            f"--tokens-per-param {args.tokens_per_param:g}: the full budget is {full:.3g} steps "
+            f"({params:,} params, {per_step:,} tokens a step); it must be at least one"
+        )
+    fractions = numbers("--budgets", args.budgets, high=1.0)
+    if short := [f for f in fractions if f * full < 1]:
+        raise UsageError(
+            f"--budgets {short[0]:g}: {short[0] * full:.3g} of the budget's {full:.3g} steps rounds to 0 steps; "
+            "raise it or --tokens-per-param"
+        )
+    steps = math.ceil(full)
+    return steps, [(f, math.ceil(f * steps)) for f in fractions]
 
 
 def given_multipliers(args: argparse.Namespace) -> dict[str, float]:

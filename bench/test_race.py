@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,6 +57,20 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
         (["--multiplier", "muon=1,2"], "--multiplier muon '1,2': one number"),
         (["--recipes", "seed", "--multiplier", "muon=2"], "--multiplier names muon: not a recipe of this race"),
         (["--corpora", "default,/no/such/folder"], "--corpora: '/no/such/folder' is not 'default', 'shakespeare'"),
+        (["--multipliers", "1,inf"], "--multipliers '1,inf': every value must be > 0 and finite"),
+        (["--multiplier", "muon=inf"], "--multiplier muon 'inf': every value must be > 0 and finite"),
+        (["--seed", "-1"], "--seed -1: must be in [0, 4294967293] with --seeds 3"),
+        (["--seed", "4294967295"], "--seed 4294967295: must be in [0, 4294967293]"),
+        (["--budgets", "1e-9,1"], "--budgets 1e-09: "),
+        (["--tokens-per-param", "1e-9"], "--tokens-per-param 1e-09: the full budget is"),
+        (["--sweep", "seed,nope"], "--sweep: unknown recipe 'nope'"),
+        (["--seeds", str(2**40)], f"--seeds {2**40}: more than NumPy's 4294967296 seeds"),
+        (["--vocab-size", "100"], "--vocab-size 100: must be in [257, 2097152]"),
+        (["--vocab-size", str(10**12)], f"--vocab-size {10**12}: must be in [257, 2097152]"),
+        (
+            ["--save", "/dev/null/out"],
+            "--save '/dev/null/out': cannot write there ('/dev/null' is not a writable folder)",
+        ),
     ],
 )
 def test_a_bad_flag_or_recipe_is_one_line_and_exit_2_before_any_corpus(argv, says, capsys, tmp_path, monkeypatch):
@@ -66,6 +81,23 @@ def test_a_bad_flag_or_recipe_is_one_line_and_exit_2_before_any_corpus(argv, say
     err = capsys.readouterr().err
     assert err.startswith("bench race: error: ") and says in err and err.count("\n") == 1, err
     assert not (tmp_path / "runs").exists()  # nothing prepared, nothing run
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--device", "cuda", "--work", "/tmp/fastpt-race-test"], "--device cuda: torch sees no CUDA device"),
+        (["--work", "/dev/null/runs"], "--work '/dev/null/runs': cannot write there ('/dev/null' is not a writable"),
+    ],
+)
+def test_no_gpu_or_an_unwritable_work_folder_is_refused_first(argv, says, capsys, monkeypatch):
+    """Flags the parametrized test above cannot give (it sets --work): one line before any corpus."""
+    monkeypatch.setattr(race, "corpus", lambda *a: pytest.fail("a corpus was prepared"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert race.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"bench race: error: {says}" + err.removeprefix(f"bench race: error: {says}"), err
+    assert err.count("\n") == 1 and not Path("/tmp/fastpt-race-test").exists(), err
 
 
 def test_the_command_exits_2_and_help_shows_the_whole_description(capsys):

@@ -357,3 +357,24 @@ def restore(
 
 def step_of(ckpt: dict) -> int:
     return ckpt["train_state"]["step"]
+
+
+def saved_config(run_dir: str | Path, key: str) -> dict:
+    """`key` ('train_config', 'model_config') of the run folder's newest checkpoint that reads, {}
+    without one: what a resume continues, whatever became of config.toml or the --init-from folder.
+    Only the pickle is read (its tensors stay mapped, unchecked): restore verifies what it loads."""
+    for path in reversed(checkpoints(run_dir)):
+        try:
+            ckpt = torch.load(path / STATE_FILE if path.is_dir() else path, weights_only=True, mmap=True)
+        except Exception:  # a damaged one: restore skips it too, and says why
+            continue
+        if isinstance(ckpt, dict) and isinstance(ckpt.get(key), dict):
+            return ckpt[key]
+    return {}
+
+
+def resumed_model(run_dir: str | Path, resume: bool) -> ModelConfig | None:
+    """The model a --resume of `run_dir` continues: its newest checkpoint's; None for a fresh run or
+    a folder without one. A run from --init-from needs that folder only until its first checkpoint."""
+    saved = saved_config(run_dir, "model_config") if resume else {}
+    return ModelConfig.from_dict(saved) if saved else None

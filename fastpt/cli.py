@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
+from fastpt.checkpoint import saved_config
 from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, load_toml, recipe_values
 from fastpt.errors import ArgumentParser, ConfigError, suggest
 from fastpt.presets import describe_presets
@@ -67,10 +69,8 @@ def resumed_run(cli: dict[str, Any], config_file: str | None, device: str) -> di
     keys either recipe sets are left to the new one (a changed shape is then refused, naming it)."""
     given = {**(load_toml(config_file) if config_file else {}), **cli}
     out = given.get("out") or (CPU_PROFILE["out"] if device == "cpu" else FIELDS["out"].default)
-    path = Path(out) / "config.toml"
-    if not given.get("resume") or not path.is_file():
+    if not given.get("resume") or not (run := run_config(Path(out))):
         return {}
-    run = load_toml(str(path))
     recipe = given.get("recipe", run.get("recipe", "seed"))
     if recipe != run.get("recipe", "seed"):
         for key in {*recipe_values(run.get("recipe", "seed")), *recipe_values(recipe)}:
@@ -78,3 +78,27 @@ def resumed_run(cli: dict[str, Any], config_file: str | None, device: str) -> di
     if run.get("warmup_steps", 0) > given.get("max_steps", run.get("max_steps", 0)):
         del run["warmup_steps"]  # a shorter run than the warmup: the default warmup adapts to it (resolve)
     return {k: v for k, v in run.items() if k not in NOT_RESUMED}
+
+
+def run_config(out: Path) -> dict[str, Any]:
+    """A run folder's config.toml, with the keys it lacks (a file cut at a line end, none, or one
+    that does not parse) taken from the newest checkpoint's train_config, and said; {} for a folder
+    with neither."""
+    path = out / "config.toml"
+    saved = {
+        k: v
+        for k, v in saved_config(out, "train_config").items()
+        if k in FIELDS and k not in NOT_RESUMED and v is not None  # to_toml leaves out None (a preset's shape)
+    }
+    toml, whole = {}, "is missing"
+    if path.is_file():
+        try:
+            toml = load_toml(str(path))
+        except ConfigError as e:
+            if not saved:
+                raise
+            whole = f"is unreadable ({e})"
+    if lost := [k for k in saved if k not in toml]:
+        what = f"lacks {', '.join(lost)}" if toml else whole
+        print(f"fastpt: warning: {path} {what}: the checkpoint's values apply", file=sys.stderr, flush=True)
+    return {**saved, **toml}

@@ -21,10 +21,11 @@ import torch
 
 from fastpt import float8, kernels
 from fastpt.errors import ConfigError, suggest
+from fastpt.plan import gpus
 from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, shape_keys
 from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names
 from fastpt.recipes import RECIPES, describe
-from fastpt.settings import BETA, NON_NEGATIVE, POSITIVE, SEED, UNIT, Interval, setting, shape
+from fastpt.settings import BETA, NON_NEGATIVE, PLAN_WORLD, POSITIVE, SEED, UNIT, Interval, setting, shape
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -234,7 +235,7 @@ class TrainConfig:
         "", "the card to plan for: h100-80, h200, l4, ... (an unknown name lists them) or NGiB; '' = this machine's GPU"
     )
     plan_world_size: int = setting(
-        1, "with --plan: GPUs to plan for (the per-rank peak under --parallel)", domain=POSITIVE
+        1, "with --plan: GPUs to plan for (the per-rank peak under --parallel)", domain=PLAN_WORLD
     )
 
 
@@ -316,6 +317,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
             f"got {cfg.grad_accum}: raise micro_batch instead"
         )
+    if cfg.plan_gpu:  # a train run checks it too: config.toml keeps only values that plan
+        gpus.card(cfg.plan_gpu)
     if not cfg.out.strip():  # an unset shell variable: the run would fill the current folder
         raise ConfigError("'out' is empty: give the run folder (--out DIR)")
     if cfg.parallel == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:

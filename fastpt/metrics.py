@@ -273,13 +273,15 @@ def own_run_folder(cfg: TrainConfig, cleanup: ExitStack) -> None:
 
 
 def write_run_folder(cfg: TrainConfig, data_dir: Path, step: int) -> MetricsLogger:
-    """config.toml, the data's tokenizer (the run folder alone is enough for fastpt.sample),
-    metrics.jsonl rewound to `step`; returns the logger that appends to it."""
+    """The data's tokenizer (the run folder alone is enough for fastpt.sample), metrics.jsonl
+    rewound to `step`, then config.toml, which a resume starts from: written last and atomically, so
+    a run refused here (a read-only folder, a file-size limit) leaves the old one whole."""
     run_dir = Path(cfg.out)
     try:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
         copy_for_run(data_dir, run_dir)
         rewind(run_dir / "metrics.jsonl", step)
+        clear_temporaries(run_dir / "config.toml")  # a killed write's; this trainer owns the folder
+        write_atomic(run_dir / "config.toml", lambda f: f.write(to_toml(cfg).encode()))
     except OSError as e:
         raise unwritable(cfg, e) from None
     return MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb)

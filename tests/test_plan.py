@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import REPO, read_metrics, run_main, table_entries, update_table
+from conftest import REPO, read_metrics, run_main, table_entries, tiny_args, train_refuses, update_table
 from fastpt import train
 from fastpt.cli import parse_args
 from fastpt.config import resolve
@@ -518,14 +518,33 @@ def test_plan_gpu_sizes_say_what_they_mean_and_names_suggest_a_card():
         (("--plan-gpu", "h300"), "'plan_gpu' = 'h300' is not a card: one of h100-80, h200, a100-40, a100-80, l4, 4090"),
         (("--dim", "100", "--n-heads", "3"), "'dim' = 100 is not divisible by 'n_heads' = 3"),
         (("--micro-batch", "lots"), "invalid int_or_auto value: 'lots'"),
-        (("--plan-world-size", "0"), "'plan_world_size' must be > 0, got 0"),
+        (("--plan-world-size", "0"), "'plan_world_size' must be in [1, 256], got 0"),
+        (
+            ("--plan-world-size", str(2**63), "--parallel", "fsdp"),
+            f"'plan_world_size' must be in [1, 256], got {2**63}",
+        ),
+        (("--plan-world-size", "1000000"), "'plan_world_size' must be in [1, 256], got 1000000"),
+        (("--plan-gpu", "9" * 400), "is larger than any card (4,096 GiB at most)"),
+        (("--plan-gpu", "0GiB", "--device", "cpu"), "'plan_gpu' = '0GiB' holds no more than the CUDA context"),
         (("--micro-batch", "auto"), "needs a card to fit and this machine has no GPU: give --plan-gpu"),
         (
             ("--plan-json", "/nonexistent/dir/planner.json", "--plan-gpu", "l4"),
             "'plan_json' = '/nonexistent/dir/planner.json'",
         ),
     ],
-    ids=["no-memory", "card", "shape", "micro-batch", "world-size", "auto-without-card", "json-path"],
+    ids=[
+        "no-memory",
+        "card",
+        "shape",
+        "micro-batch",
+        "world-size",
+        "world-size-2**63",
+        "world-size-1e6",
+        "400-digit-card",
+        "no-memory-on-cpu",
+        "auto-without-card",
+        "json-path",
+    ],
 )
 def test_bad_input_is_one_line_and_exit_2(flags, message, capsys):
     if "no GPU" in message and torch.cuda.is_available():
@@ -534,6 +553,15 @@ def test_bad_input_is_one_line_and_exit_2(flags, message, capsys):
     assert code == 2, err
     assert err.startswith("fastpt: error:") and len(err.strip().splitlines()) == 1, err
     assert message in err
+
+
+def test_a_train_run_refuses_a_bad_plan_gpu_before_its_run_folder(tiny_data, tmp_path, capsys):
+    """--plan-gpu on a train run (it plans --micro-batch auto) is checked like any value: a name
+    that is no card is one line, and no run folder with it in config.toml."""
+    train_refuses(
+        capsys, tiny_args(tiny_data, tmp_path / "run", max_steps=1, plan_gpu="rtx9999"), "'plan_gpu'", "rtx9999"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_training_with_micro_batch_auto(tiny_data, tmp_path, capsys):

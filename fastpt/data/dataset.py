@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from fastpt.checkpoint import resumed_model
 from fastpt.config import TrainConfig
 from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import INCOMPLETE, MAX_VOCAB, content_key, read_shard, shard_vocab
@@ -318,11 +319,19 @@ def warn_if_other_tokenizer(data_dir: Path, init_tokenizer: Path) -> None:
         )
 
 
+def init_model(cfg: TrainConfig) -> tuple[tuple[ModelConfig, dict | None], Path | None]:
+    """--init-from's (ModelConfig, fastpt-named weights) and tokenizer. A resume with a checkpoint
+    takes the checkpoint's model config and no weights (it holds the whole model), and the run
+    folder's tokenizer copy: the init folder may be gone by then."""
+    if resumed := resumed_model(cfg.out, cfg.resume):
+        return (resumed, None), hf_tokenizer_path(cfg.init_from) or hf_tokenizer_path(cfg.out)
+    return load_hf(cfg.init_from), hf_tokenizer_path(cfg.init_from)
+
+
 def build_data(cfg: TrainConfig, d: Dist, device: torch.device) -> Data:
     """Memory-mapped shards (the default corpus without --data), token ids checked against the
     vocab once, the model config that fits them (with --init-from: that model's, and its weights)."""
-    init = load_hf(cfg.init_from) if cfg.init_from else None  # (ModelConfig, fastpt-named state)
-    init_tokenizer = hf_tokenizer_path(cfg.init_from) if init else None
+    init, init_tokenizer = init_model(cfg) if cfg.init_from else (None, None)
     sources = data_sources(cfg.data) or [Source(default_data(cfg, d, init_tokenizer))]
     vocab = common_vocab(sources, cfg.data_format)
     if d.is_main and init_tokenizer:

@@ -24,6 +24,9 @@ GPUS = {
     "l4": ("L4", 23034),
     "4090": ("RTX 4090", 24564),
 }
+# A bound on --plan-gpu NGiB (sixteen times today's largest cards' memory): past it a size is a
+# mistake, and too large a number would overflow the byte count.
+LARGEST_CARD = 4096 * GIB
 # What a CUDA process holds outside torch's allocator: the CUDA context with lazily loaded kernels,
 # the cuBLAS / cuDNN handles and their libraries' modules: 0.3-0.6 GiB on recent drivers. An
 # estimate until bench/gpu.sh measures it (nvidia-smi's used memory less torch's reserved).
@@ -69,13 +72,15 @@ def card(spec: str) -> Card | None:
         name, mib = GPUS[spec.lower()]
         return Card(name, mib * MIB)
     if m := re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gib|g|gb)?", spec.strip().lower()):
-        size = int(float(m[1]) * (10**9 if m[2] == "gb" else GIB))
+        size = float(m[1]) * (10**9 if m[2] == "gb" else GIB)  # inf for a 400-digit number
         if size <= CUDA_CONTEXT:
             raise ConfigError(
                 f"'plan_gpu' = {spec!r} holds no more than the CUDA context ({CUDA_CONTEXT / GIB:.1f} GiB): "
                 "give the card's memory, such as 24GiB"
             )
-        return Card("a card", size)
+        if size > LARGEST_CARD:
+            raise ConfigError(f"'plan_gpu' = {spec!r} is larger than any card ({LARGEST_CARD // GIB:,} GiB at most)")
+        return Card("a card", int(size))
     raise ConfigError(
         f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB"
         + suggest(spec.strip().lower(), GPUS)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastpt import distributed, kernels
+from fastpt.checkpoint import resumed_model
 from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, check_runtime, resolve
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
@@ -75,8 +76,8 @@ def planned_config(cli: dict, config_file: str | None) -> tuple[TrainConfig, str
 def planned_model(cfg: TrainConfig) -> ModelConfig:
     """The model the run would build, from the preset, the shape keys and --init-from's config.json;
     the vocab from --data's meta (no shard is read), else the one the default corpus would have."""
-    base = None
-    if cfg.init_from:
+    base = resumed_model(cfg.out, cfg.resume) if cfg.init_from else None  # the init folder may be gone
+    if cfg.init_from and base is None:
         if not is_hf_dir(cfg.init_from):
             raise ConfigError(f"{cfg.init_from}: not a Hugging Face model folder (no config.json)")
         path = Path(cfg.init_from) / "config.json"
