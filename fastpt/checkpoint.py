@@ -22,7 +22,6 @@ import functools
 import io
 import pickle
 import re
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -335,23 +334,21 @@ def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
 
 def restore(
     run_dir: str | Path, map_location: torch.device, apply: Callable[[Path, dict], None]
-) -> tuple[Path, dict] | None:
+) -> tuple[Path, dict, list[tuple[Path, str]]] | None:
     """The newest checkpoint that loads: `apply(path, ckpt)` puts it into the run (and may raise
-    CheckpointError too). A damaged newer one is skipped with a warning that says why; None when
-    the folder holds no checkpoint, CheckpointError when none of them loads."""
-    reasons = []
+    CheckpointError too). Returns it, its contents and each newer one skipped as damaged with why;
+    None when the folder holds no checkpoint, CheckpointError when none of them loads."""
+    skipped = []
     for path in reversed(checkpoints(run_dir)):
         try:
             ckpt = load(path, map_location)
             apply(path, ckpt)
         except CheckpointError as e:
-            reasons.append(str(e))
+            skipped.append((path, str(e)))
             continue
-        for reason in reasons:  # said only now: when nothing loads, the error below says it all
-            print(f"fastpt: warning: skipped a newer checkpoint: {reason}", file=sys.stderr, flush=True)
-        return path, ckpt
-    if reasons:
-        raise CheckpointError(f"no checkpoint in {run_dir} loads; newest: {reasons[0]}")
+        return path, ckpt, skipped
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {run_dir} loads; newest: {skipped[0][1]}")
     return None
 
 
