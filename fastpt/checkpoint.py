@@ -164,8 +164,10 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
     global or class it would have called; a file that is no pickle at all, with the reason."""
     named = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
     if named:
+        name = named.group(1) or named.group(2)
+        what = " (a NumPy array: fastpt saves NumPy's RNG state as a tensor)" if name.startswith("numpy") else ""
         return CheckpointError(
-            f"refused to load {file}: it names {named.group(1) or named.group(2)}, which a fastpt "
+            f"refused to load {file}: it names {name}{what}, which a fastpt "
             "checkpoint never holds and loading could run code (re-save a trusted one as plain "
             "tensors and values)"
         )

@@ -285,6 +285,15 @@ FILE_DAMAGE = {
         lambda new, old: set_tail(new, old.read_bytes()[-integrity.TRAILER :]),
         "{new}: its bytes do not match its checksum",
     ),
+    # a weight changed too: taken for a file without a checksum, it would load with the change
+    "checksum tag damaged": (
+        lambda new, old: (flip(new, tensor_data_offset(new)), flip(new, new.stat().st_size - integrity.TRAILER)),
+        "{new}: its checksum (zip comment) is damaged",
+    ),
+    "comment length damaged": (
+        lambda new, old: (flip(new, tensor_data_offset(new)), flip(new, new.stat().st_size - integrity.TRAILER - 2)),
+        "{new}: its checksum (zip comment) is damaged",
+    ),
 }
 
 
