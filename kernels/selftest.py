@@ -4,7 +4,9 @@ found before it trains anything. Triton's interpreter cannot check a GPU's bf16 
 GPU run checks it itself (a trainer calls `failures` before its first step).
 
 The oracle is the reference in float64; each result and input gradient must lie within TOLERANCE
-(of the dtype) times the oracle's largest magnitude: the kernels' documented accuracy.
+(of the dtype) times the oracle's largest magnitude, the kernels' documented accuracy, or within
+twice the reference's own error in the run's dtype where that is larger (bf16 rounding of a large
+gradient is no kernel's fault).
 """
 
 from collections.abc import Callable
@@ -47,23 +49,31 @@ def _worst(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (diff / expected.abs().max().clamp_min(1e-30)).nan_to_num(float("inf")).item()
 
 
+def _run(name: str, call: Callable, inputs: list[torch.Tensor], backend: str) -> list[torch.Tensor]:
+    """The op's result and the gradient of each input for a fixed random upstream gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = call(*leaves, lambda *a, **k: getattr(api, name)(*a, backend=backend, **k))
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out.backward(upstream.to(out.device, out.dtype))
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
 def _check(name: str, call: Callable, inputs: list[torch.Tensor], rtol: float) -> str | None:
-    """What differs beyond `rtol` (the forward, or which input's gradient), or why it did not run."""
-    ours = [t.detach().clone().requires_grad_() for t in inputs]
-    oracle = [t.detach().double().requires_grad_() for t in inputs]
+    """What differs from the float64 oracle beyond `rtol`, or beyond twice the reference's own error
+    in the run's dtype where that is larger (the forward, or which input's gradient); or why it did not run."""
     try:
-        out = call(*ours, lambda *a, **k: getattr(api, name)(*a, backend="triton", **k))
-        expected = call(*oracle, lambda *a, **k: getattr(api, name)(*a, backend="torch", **k))
-        upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        out.backward(upstream.to(out.device, out.dtype))
-        expected.backward(upstream.to(expected.device))
+        ours = _run(name, call, inputs, "triton")
     except Exception as e:  # a kernel that fails to compile or launch here: any error Triton raises
         return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-    results = [("the result", out.detach(), expected.detach())]
-    results += [(f"the gradient of input {i}", t.grad, r.grad) for i, (t, r) in enumerate(zip(ours, oracle))]
-    for what, actual, want in results:
-        if (worst := _worst(actual, want)) > rtol:
-            return f"{what} differs from the reference by {worst:.1e} of its largest value (tolerance {rtol:.0e})"
+    oracle = _run(name, call, [t.double() for t in inputs], "torch")
+    whats = ["the result", *(f"the gradient of input {i}" for i in range(len(inputs)))]
+    for i, (what, actual, want) in enumerate(zip(whats, ours, oracle)):
+        if (worst := _worst(actual, want)) <= rtol:
+            continue
+        # Only now: what the dtype's rounding alone costs the reference (all inputs in it, as autocast has them).
+        limit = max(rtol, 2 * _worst(_run(name, call, [t.to(actual.dtype) for t in inputs], "torch")[i], want))
+        if worst > limit:
+            return f"{what} differs from the reference by {worst:.1e} of its largest value (tolerance {limit:.0e})"
     return None
 
 
