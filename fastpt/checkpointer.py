@@ -242,7 +242,7 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
 
     run_dir = ckpt.run_dir
     ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
-    # Read on the CPU, memory-mapped, and copied into the live tensors (apply): no copy on the device.
+    # Read on the CPU one tensor at a time, each copied into its live tensor (apply): no copy on the device.
     if cfg.resume and (path := ckpt.restore(torch.device("cpu"), same_model)):
         log(f"resumed from {path} at step {state.step}")
         optimizers = ckpt.states["optimizer"].optimizers
