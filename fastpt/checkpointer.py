@@ -189,18 +189,22 @@ class Checkpointer:
         if dist.is_initialized():
             dist.barrier()  # every rank has read what it needs before the main rank renames anything
         for path, reason in found[2]:  # said only now: when nothing loads, restore's error says it all
-            moved = f"; moved aside as {set_aside(path).name}" if self.is_main else ""
+            moved = f"; {set_aside(path)}" if self.is_main else ""
             print(f"fastpt: warning: skipped a newer checkpoint: {reason}{moved}", file=sys.stderr, flush=True)
         return found[0]
 
 
-def set_aside(path: Path) -> Path:
+def set_aside(path: Path) -> str:
     """Rename a damaged checkpoint out of the checkpoints' names (`ckpt_N.pt.damaged`): left as it was, it
-    would stay the newest, `latest` and pruning would rank it above what the resumed run saves."""
+    would stay the newest, the one `latest` and sample name. Says what was done (a folder the OS
+    will not let us rename keeps it, and pruning still never counts it: `_clean`)."""
     aside = path.with_name(path.name + DAMAGED)
-    remove(aside)  # one set aside by an earlier resume of the same step
-    path.rename(aside)
-    return aside
+    try:
+        remove(aside)  # one set aside by an earlier resume of the same step
+        path.rename(aside)
+    except OSError as e:
+        return f"could not move it aside: {os_reason(e)}"
+    return f"moved aside as {aside.name}"
 
 
 # ---- a training run's checkpointer
