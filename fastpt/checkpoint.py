@@ -22,7 +22,6 @@ import functools
 import io
 import pickle
 import re
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fastpt import integrity
 from fastpt.errors import CheckpointError, FastptError
@@ -165,8 +164,10 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
     global or class it would have called; a file that is no pickle at all, with the reason."""
     named = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
     if named:
+        name = named.group(1) or named.group(2)
+        what = " (a NumPy array: fastpt saves NumPy's RNG state as a tensor)" if name.startswith("numpy") else ""
         return CheckpointError(
-            f"refused to load {file}: it names {named.group(1) or named.group(2)}, which a fastpt "
+            f"refused to load {file}: it names {name}{what}, which a fastpt "
             "checkpoint never holds and loading could run code (re-save a trusted one as plain "
             "tensors and values)"
         )
@@ -176,18 +177,23 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
     return CheckpointError(f"could not read checkpoint {file}: {reason}")
 
 
-def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+def load(path: str | Path, map_location: str | torch.device = "cpu", *, deferred: bool = False) -> dict:
     """The whole state of a file; of a shard directory, all but the model and optimizer
     (`apply` reads those). Nothing in the file runs: see the module's docstring. On the CPU the
-    file is memory-mapped: its tensors are the file's pages, not a copy in memory."""
+    file is memory-mapped: its tensors are the file's pages, not a copy in memory. `deferred` (a
+    resume): a file's model and optimizer tensors are placeholders on the meta device, read one at a
+    time by `apply` as it copies each into its live tensor, so the checkpoint is never held whole."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
     integrity.verify(path, STATE_FILE)  # damaged bytes: CheckpointError, before torch reads any of them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all
-            mmap = torch.device(map_location).type == "cpu"
-            ckpt = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
+            if deferred:  # every tensor a placeholder that knows where its bytes are in the file
+                ckpt = torch.load(file, map_location="meta", weights_only=True)
+            else:
+                mmap = torch.device(map_location).type == "cpu"
+                ckpt = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise unpickling_error(file, e) from None
     except Exception as e:  # damaged bytes fail anywhere in torch's reader: IndexError, EOFError, zip errors ...
@@ -195,7 +201,28 @@ def load(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
     missing = [k for k in REQUIRED_KEYS if not (isinstance(ckpt, dict) and isinstance(ckpt.get(k), dict))]
     if missing:
         raise CheckpointError(f"{file} is not a fastpt checkpoint (no {', '.join(map(repr, missing))})")
+    if deferred:  # the rest is small (the loader's, RNG, the loop's state): read now
+        read = deferred_reader(file, map_location)
+        ckpt = {k: v if k in TENSOR_KEYS else tree_map(read, v) for k, v in ckpt.items()}
     return ckpt
+
+
+def deferred_reader(file: Path, map_location: str | torch.device = "cpu") -> Callable[[object], object]:
+    """read(t): a placeholder tensor of `load(deferred=True)` read from `file` (its storage's bytes,
+    at the offset torch's meta load noted), on `map_location`; anything else as it is."""
+
+    def read(t: object) -> object:
+        if not (isinstance(t, torch.Tensor) and t.is_meta):
+            return t
+        storage = t.untyped_storage()
+        data = torch.empty(storage.nbytes(), dtype=torch.uint8)
+        with open(file, "rb") as f:
+            f.seek(storage._checkpoint_offset)
+            if f.readinto(data.numpy()) != storage.nbytes():
+                raise CheckpointError(f"could not read checkpoint {file}: it is cut short")
+        return data.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset()).to(map_location)
+
+    return read
 
 
 @functools.cache
@@ -296,7 +323,7 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
                     dcp.load(layout, checkpoint_id=path, storage_reader=reader, planner=SafePlanner(path))
                 stateful.load_state_dict(layout[name])
             elif name in TENSOR_KEYS:  # into the live tensors (the optimizer's made now, as a first step would)
-                stateful.load_state_dict(copied_into(stateful.state_dict(), ckpt[name]))
+                stateful.load_state_dict(copied_into(stateful.state_dict(), ckpt[name], deferred_reader(path)))
             else:
                 stateful.load_state_dict(ckpt[name])
         except (Exception, CheckpointException) as e:  # a state of the wrong shape or type: a damaged checkpoint
@@ -308,19 +335,20 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
     integrity.warn_if_unverified(path)  # a checkpoint written before checksums: loaded, said once
 
 
-def copied_into(live: object, saved: object) -> object:
+def copied_into(live: object, saved: object, read: Callable[[object], object] = lambda t: t) -> object:
     """`saved` with each tensor copied into the live tensor of the same place and shape (a
     parameter, an optimizer state), which then stands in for it: loading it copies nothing more, so
-    a resume holds no second model or optimizer state on the device. A DTensor shard (known by full_tensor) is left to
-    torch to fill from the full tensor."""
+    a resume holds no second model or optimizer state on the device. `read` turns a deferred
+    placeholder into its tensor (`deferred_reader`), one at a time, each dropped once copied. A DTensor shard
+    (known by full_tensor) is left to torch to fill from the full tensor."""
     if isinstance(saved, dict):
         live = live if isinstance(live, dict) else {}
-        return {k: copied_into(live.get(k), v) for k, v in saved.items()}
+        return {k: copied_into(live.get(k), v, read) for k, v in saved.items()}
     fits = isinstance(live, torch.Tensor) and not hasattr(live, "full_tensor") and isinstance(saved, torch.Tensor)
     if fits and live.shape == saved.shape:
         with torch.no_grad():
-            return live.copy_(saved)
-    return saved
+            return live.copy_(read(saved))
+    return tree_map(read, saved)
 
 
 def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
@@ -335,23 +363,21 @@ def load_model(path: Path, device: torch.device) -> tuple[Transformer, dict]:
 
 def restore(
     run_dir: str | Path, map_location: torch.device, apply: Callable[[Path, dict], None]
-) -> tuple[Path, dict] | None:
+) -> tuple[Path, dict, list[tuple[Path, str]]] | None:
     """The newest checkpoint that loads: `apply(path, ckpt)` puts it into the run (and may raise
-    CheckpointError too). A damaged newer one is skipped with a warning that says why; None when
-    the folder holds no checkpoint, CheckpointError when none of them loads."""
-    reasons = []
+    CheckpointError too). Returns it, its contents and each newer one skipped as damaged with why;
+    None when the folder holds no checkpoint, CheckpointError when none of them loads."""
+    skipped = []
     for path in reversed(checkpoints(run_dir)):
         try:
-            ckpt = load(path, map_location)
+            ckpt = load(path, map_location, deferred=True)
             apply(path, ckpt)
         except CheckpointError as e:
-            reasons.append(str(e))
+            skipped.append((path, str(e)))
             continue
-        for reason in reasons:  # said only now: when nothing loads, the error below says it all
-            print(f"fastpt: warning: skipped a newer checkpoint: {reason}", file=sys.stderr, flush=True)
-        return path, ckpt
-    if reasons:
-        raise CheckpointError(f"no checkpoint in {run_dir} loads; newest: {reasons[0]}")
+        return path, ckpt, skipped
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {run_dir} loads; newest: {skipped[0][1]}")
     return None
 
 

@@ -41,6 +41,7 @@ from fastpt.optim import changed_settings, reapply_settings
 from fastpt.presets import ModelConfig
 
 __all__ = [
+    "DAMAGED",
     "Checkpointer",
     "RNGState",
     "build_checkpointer",
@@ -56,6 +57,8 @@ if TYPE_CHECKING:  # annotations only: the run's pieces are built above this mod
     from fastpt.step import Net, TrainState
 
 # torch.distributed.checkpoint and DTensor are imported where they are used, as in checkpoint.py.
+
+DAMAGED = ".damaged"  # the suffix of a checkpoint a resume skipped as damaged (set_aside)
 
 
 class RNGState:
@@ -106,7 +109,7 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
     except (OSError, RuntimeError, CheckpointException) as e:  # torch.save reports a failed write as RuntimeError
         kept = f"{previous.name} is intact" if previous else "there is no earlier checkpoint"
         raise CheckpointError(f"could not write checkpoint {path}: {os_reason(e)}; {kept}") from None
-    _clean(run_dir, keep)
+    _clean(run_dir, keep, path)
     return path
 
 
@@ -138,12 +141,14 @@ def recover(run_dir: Path) -> None:
             files.recover(old.with_name(name))
 
 
-def _clean(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints, and temporaries of writers killed mid-save
-    (a checkpoint left aside is put back first)."""
+def _clean(run_dir: Path, keep: int, saved: Path) -> None:
+    """Delete all but the newest `keep` checkpoints up to the one just `saved`, which stays whatever
+    else the folder holds (one newer than it is not this run's to count), and temporaries of writers
+    killed mid-save (a checkpoint left aside is put back first)."""
     recover(run_dir)
     stale = [".ckpt_*.tmp*", ".ckpt_*.partial", ".ckpt_*.old", ".latest.tmp*"]
-    for path in [*checkpoints(run_dir)[:-keep], *(p for pattern in stale for p in run_dir.glob(pattern))]:
+    older = [p for p in checkpoints(run_dir) if p.name < saved.name]
+    for path in [*older[: len(older) - (keep - 1)], *(p for pattern in stale for p in run_dir.glob(pattern))]:
         remove(path)
 
 
@@ -179,7 +184,27 @@ class Checkpointer:
             apply(path, ckpt, self.states)
 
         found = restore(self.run_dir, map_location, put)
-        return found[0] if found else None
+        if not found:
+            return None
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read what it needs before the main rank renames anything
+        for path, reason in found[2]:  # said only now: when nothing loads, restore's error says it all
+            moved = f"; {set_aside(path)}" if self.is_main else ""
+            print(f"fastpt: warning: skipped a newer checkpoint: {reason}{moved}", file=sys.stderr, flush=True)
+        return found[0]
+
+
+def set_aside(path: Path) -> str:
+    """Rename a damaged checkpoint out of the checkpoints' names (`ckpt_N.pt.damaged`): left as it was, it
+    would stay the newest, the one `latest` and sample name. Says what was done (a folder the OS
+    will not let us rename keeps it, and pruning still never counts it: `_clean`)."""
+    aside = path.with_name(path.name + DAMAGED)
+    try:
+        remove(aside)  # one set aside by an earlier resume of the same step
+        path.rename(aside)
+    except OSError as e:
+        return f"could not move it aside: {os_reason(e)}"
+    return f"moved aside as {aside.name}"
 
 
 # ---- a training run's checkpointer
@@ -221,7 +246,7 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
 
     run_dir = ckpt.run_dir
     ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
-    # Read on the CPU, memory-mapped, and copied into the live tensors (apply): no copy on the device.
+    # Read on the CPU one tensor at a time, each copied into its live tensor (apply): no copy on the device.
     if cfg.resume and (path := ckpt.restore(torch.device("cpu"), same_model)):
         log(f"resumed from {path} at step {state.step}")
         optimizers = ckpt.states["optimizer"].optimizers

@@ -88,15 +88,22 @@ def crc_of(path: Path, size: int) -> int:
 
 def stored_crc(path: Path) -> int | None:
     """The CRC a checkpoint file carries in its zip comment; None for a file written without one (before
-    fastpt wrote them, or by another program). A comment that is there but damaged or cut short raises."""
+    fastpt wrote them, or by another program). What tells the two apart is the end of the file, not the
+    comment's bytes, which damage can hit: a file without a checksum ends with a zip end record that
+    declares no comment (as torch.save writes it), or is no zip at all. Any other end raises: a comment
+    that is damaged or cut short, or an end record that no longer declares it."""
     size = path.stat().st_size
     with open(path, "rb") as f:
-        f.seek(max(0, size - 2 * TRAILER))
+        f.seek(max(0, size - END_RECORD - TRAILER))
         tail = f.read()
-    if TAG not in tail:
+    without = tail[-END_RECORD:]
+    if without.startswith(END_SIGNATURE) and without.endswith(b"\0\0"):
         return None
-    digits = tail[-TRAILER:]
-    if not (digits.startswith(TAG) and re.fullmatch(rb"[0-9a-f]{8}", digits[len(TAG) :])):
+    record, digits = tail[:END_RECORD], tail[-TRAILER:]
+    ours = record.startswith(END_SIGNATURE) and record[-2:] == TRAILER.to_bytes(2, "little")
+    if not ours and END_SIGNATURE not in tail and TAG not in tail:
+        return None  # no zip's end: torch.load says what the file is
+    if not (ours and digits.startswith(TAG) and re.fullmatch(rb"[0-9a-f]{8}", digits[len(TAG) :])):
         raise CheckpointError(f"could not read checkpoint {path}: its checksum (zip comment) is damaged or cut short")
     return int(digits[len(TAG) :], 16)
 

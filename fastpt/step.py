@@ -125,14 +125,20 @@ class TrainState:
 
 
 def build_model(
-    cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, d: distributed.Dist, init_weights: dict | None = None
+    cfg: TrainConfig,
+    mcfg: ModelConfig,
+    device: torch.device,
+    d: distributed.Dist,
+    init_weights: dict | None = None,
+    kernels: str | None = None,
 ) -> Net:
     """The seeded model (--init-from's weights if given; --zero-init zeroes its output projections),
-    float8, compiled and parallelized in torchtitan's order, its optimizers and precision."""
+    float8, compiled and parallelized in torchtitan's order, its optimizers and precision. `kernels`
+    overrides cfg.kernels (a kernel that failed its check: selfcheck.kernel_backend)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    raw = Transformer(mcfg, cfg.kernels, cfg.z_loss, cfg.activation_checkpointing, cfg.zero_init)
+    raw = Transformer(mcfg, kernels or cfg.kernels, cfg.z_loss, cfg.activation_checkpointing, cfg.zero_init)
     if init_weights is not None:
         raw.load_state_dict(init_weights)
     if raw.output_weight.device != device:  # built in place already: fastpt.plan's fake model cannot be moved

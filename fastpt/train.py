@@ -29,6 +29,7 @@ from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_f
 from fastpt.optim import apply_schedule
 from fastpt.plan import fit
 from fastpt.profiling import StepProbe
+from fastpt.selfcheck import kernel_backend
 from fastpt.step import Net, TrainState, build_model, train_step
 
 
@@ -92,7 +93,8 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         data = build_data(cfg, d, device)
         cleanup.callback(data.loader.close)
         evaluator = Evaluator(data.val, cfg, device, data.sources)  # val loss, bpb, --eval-mc
-        net = build_model(cfg, data.model_config, device, d, data.init_weights)
+        backend = kernel_backend(cfg, data.model_config, device, log)  # a kernel that fails is never traced
+        net = build_model(cfg, data.model_config, device, d, data.init_weights, backend)
         state = TrainState()
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
         start_or_resume(cfg, ckpt, device, log)

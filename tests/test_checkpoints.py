@@ -93,8 +93,7 @@ def test_a_checkpoint_holding_a_numpy_array_is_refused_naming_it(reference, tiny
     ckpt["rng"]["numpy"] = np.random.RandomState(0).get_state()
     torch.save(ckpt, run_dir / "ckpt_00000004.pt")
     code, _, err = run_main(train.main, run_args(tiny_data, run_dir, "--resume"), capsys)
-    assert code != 0
-    assert "refused to load" in err and "numpy" in err and "Traceback" not in err
+    assert_one_line_error(code, err, "refused to load", "numpy", "(a NumPy array: fastpt saves NumPy's RNG state as")
 
 
 def as_dcp_folder(ckpt: dict, path: Path) -> None:
@@ -331,10 +330,12 @@ def test_resume_skips_a_dcp_folder_with_a_damaged_file(reference, tiny_data, tmp
 # ---- what a resume holds
 
 
-def cpu_allocator_peak(run) -> int:
+def cpu_allocator_peak(run, mapped: bool = False) -> int:
     """Bytes: the CPU allocator's peak while run() runs, from the running total that torch.profiler's
     allocation events carry. A memory-mapped file's tensors are the file's pages, not the
-    allocator's: their events carry no total, and they count nothing."""
+    allocator's: their events carry no total, and they count nothing, unless `mapped`: then every
+    allocation event is summed in time order, a mapped file counted at its size (the profiler's view
+    of a whole `fastpt.train.main`, issue 46)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -344,10 +345,27 @@ def cpu_allocator_peak(run) -> int:
     while stack:
         e = stack.pop()
         stack += e.children
-        if e.tag == allocation and e.extra_fields.total_allocated:
+        if e.tag == allocation and (mapped or e.extra_fields.total_allocated):
             events.append((e.start_time_ns, e.extra_fields.total_allocated, e.extra_fields.alloc_size))
     events.sort()
+    if mapped:
+        totals = np.cumsum([size for _, _, size in events])
+        return int(totals.max()) if events else 0
     return max(total for _, total, _ in events) - (events[0][1] - events[0][2]) if events else 0
+
+
+def test_a_resumed_main_peaks_as_a_fresh_one_by_the_profiler(tiny_data, tmp_path):
+    """The whole command, as the profiler sees it: a resume read the checkpoint memory-mapped, which
+    the profiler counts at the file's size (model and both AdamW moments) beside the live model and
+    the optimizer state being filled: +74% at 13M parameters (199.1 against 346.8 MiB). Read one
+    tensor at a time into the live ones, it peaks as a fresh run, within 5%."""
+    shape = ("--dim", "256", "--n-layers", "4", "--n-heads", "4", "--ffn-dim", "704", "--micro-batch", "1")
+    args = tiny_args(tiny_data, tmp_path / "run", *shape, ckpt_every=2, eval_every=1000, log_every=1)
+    main = lambda *extra: run_quietly(train.main, [*args, *extra])  # noqa: E731
+    fresh = cpu_allocator_peak(lambda: main("--max-steps", "2"), mapped=True)
+    resumed = cpu_allocator_peak(lambda: main("--max-steps", "3", "--resume"), mapped=True)
+    assert checkpoint.step_of(checkpoint.load(checkpoint.latest(tmp_path / "run"))) == 3  # it did resume
+    assert resumed <= 1.05 * fresh, (fresh, resumed)
 
 
 def test_resume_peaks_no_higher_than_a_fresh_run(tmp_path):

@@ -162,6 +162,36 @@ def test_resume_warns_naming_the_damaged_checkpoint_and_takes_the_newest_intact_
     assert losses(run_dir) == losses(reference)[:4]  # step 4 trained again, identically
 
 
+def test_a_damaged_newest_checkpoint_is_set_aside_and_never_counts_toward_the_kept_ones(
+    reference, tiny_data, tmp_path, capsys
+):
+    """Resumed from step 3 past a damaged step 6, the run saves 4 and 5 keeping one: pruning by step
+    would keep the damaged 6 as the newest and delete what the run just saved."""
+    run_dir = tmp_path / "run"
+    newest = run_copy(reference, run_dir, "file")
+    flip(newest, tensor_data_offset(newest))
+    extra = ("--resume", "--max-steps", "5", "--ckpt-every", "1", "--keep-checkpoints", "1")
+    code, out, err = run_main(train.main, run_args(tiny_data, run_dir, *extra), capsys)
+    assert code == 0, err
+    assert err.rstrip().endswith("; moved aside as ckpt_00000006.pt.damaged") and err.count("\n") == 1, err
+    assert f"saved {run_dir / 'ckpt_00000005.pt'}" in out
+    assert checkpoint.checkpoints(run_dir) == [run_dir / "ckpt_00000005.pt"]
+    assert (run_dir / "latest").read_text() == "ckpt_00000005.pt"
+    assert (run_dir / "ckpt_00000006.pt.damaged").read_bytes() != (reference / "ckpt_00000006.pt").read_bytes()
+    assert losses(run_dir)[:4] == losses(reference)[:4]  # step 4 trained again, identically
+
+
+def test_a_saved_checkpoint_is_on_disk_whatever_newer_one_the_folder_holds(tmp_path):
+    """ "saved X" means X is there afterwards: a newer checkpoint (one this run did not write) is
+    neither counted among the kept ones nor deleted."""
+    newer = tmp_path / "ckpt_00000020.pt"
+    newer.write_bytes(b"not this run's")
+    state = {"model": {"w": torch.ones(2)}, "model_config": {}, "train_state": {"step": 16}}
+    saved = checkpointer.save(tmp_path, 16, state, keep=1)
+    assert saved == tmp_path / "ckpt_00000016.pt" and saved.is_file() and newer.is_file()
+    assert checkpointer.save(tmp_path, 17, state, keep=1).is_file() and not saved.exists()
+
+
 @pytest.mark.parametrize("kind", ["file", "dcp"])
 def test_sample_and_export_of_a_damaged_checkpoint_are_one_line(reference, tmp_path, capsys, kind):
     newest = run_copy(reference, tmp_path / "run", kind)
@@ -254,6 +284,15 @@ FILE_DAMAGE = {
     "checksum of another checkpoint": (
         lambda new, old: set_tail(new, old.read_bytes()[-integrity.TRAILER :]),
         "{new}: its bytes do not match its checksum",
+    ),
+    # a weight changed too: taken for a file without a checksum, it would load with the change
+    "checksum tag damaged": (
+        lambda new, old: (flip(new, tensor_data_offset(new)), flip(new, new.stat().st_size - integrity.TRAILER)),
+        "{new}: its checksum (zip comment) is damaged",
+    ),
+    "comment length damaged": (
+        lambda new, old: (flip(new, tensor_data_offset(new)), flip(new, new.stat().st_size - integrity.TRAILER - 2)),
+        "{new}: its checksum (zip comment) is damaged",
     ),
 }
 
