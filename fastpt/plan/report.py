@@ -5,8 +5,6 @@ to zero (figure); the JSON keeps full precision."""
 
 from __future__ import annotations
 
-import math
-
 from fastpt.plan.gpus import Speed
 from fastpt.plan.timing import StepTime
 
@@ -19,7 +17,7 @@ def figure(x: float, decimals: int = 1) -> str:
     """x with `decimals` places, or two significant digits where those places would show a nonzero x as 0."""
     text = f"{x:,.{decimals}f}"
     if x != 0 and float(text.replace(",", "")) == 0:
-        return f"{x:.{max(2, 1 - math.floor(math.log10(abs(x))))}f}"
+        return f"{x:.2g}"
     return text
 
 
