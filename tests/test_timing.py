@@ -14,6 +14,7 @@ import torch
 
 from conftest import REPO, table_entries, update_table
 from fastpt.cli import parse_args
+from fastpt.errors import ConfigError
 from fastpt.plan import gpus, planner, report, timing
 from fastpt.plan.flops import Cost
 
@@ -194,6 +195,12 @@ def test_the_plan_prices_the_run_and_names_its_link():
     assert record["cost_usd"] == pytest.approx(2.5 * record["gpu_hours"])
     line = next(line for line in planner.describe(plan) if line.startswith("  10,000 steps = "))
     assert "on 2 GPUs" in line and " per GPU-hour" in line and "link assumed: PCIe 4.0 x16" in line
+
+
+def test_a_negative_price_is_refused():
+    cli, config_file = parse_args([*TINY, "--plan-price", "-1", "--plan-gpu", "h100-80"])
+    with pytest.raises(ConfigError, match="'plan_price' must be >= 0, got -1.0"):
+        planner.planned_config(cli, config_file)
 
 
 @pytest.mark.parametrize(
