@@ -18,6 +18,11 @@ them on a timeline of three clocks, one per side of the machine:
   the kernels reading its output wait for it. DDP's buckets (one process planned) are all-reduced
   as the syncing backward reaches them (by its FLOPs); the optimizer waits for every collective.
 
+Muon's Newton-Schulz matmuls (the optimizer's only matmuls) are priced in the dtype they run in on
+the target (fastpt.muon.ns_dtype), and a DDP plan cuts them to one rank's share and adds Muon's
+all-gathers (KernelLog.with_muon). MFU is the model's FLOPs per token over the step, whatever
+kernels run; HFU counts the kernels' own FLOPs.
+
 The trace runs at most two micro-steps (planner.step_config): the first is repeated grad_accum - 1
 times, the second (which syncs) once. Constants and their sources: docs/performance.md.
 """
