@@ -221,7 +221,7 @@ def planned(setup: Setup, mode: Mode) -> dict:
             run.loader.close()
     step = max(op.step for op in timed.ops)
     ops = [op for op in timed.ops if op.step == step]
-    log = timing.KernelLog(ops, setup.grad_accum, setup.grad_accum, 1, run.tokens_per_step)
+    log = timing.KernelLog(ops, setup.grad_accum, setup.grad_accum, 1, run.tokens_per_step, run.flops_per_token)
     planned_step = timing.step_time(log, gpus.speed_of(planned_card()))
     return {
         "planned_gib": planner.peak_of(mem, "cuda", setup.grad_accum).bytes / 2**30,

@@ -237,6 +237,9 @@ class TrainConfig:
     plan_world_size: int = setting(
         1, "with --plan: GPUs to plan for (the per-rank peak under --parallel)", domain=PLAN_WORLD
     )
+    plan_price: float = setting(
+        0.0, "with --plan: USD per GPU-hour, to price the run's max_steps; 0 = no cost", domain=NON_NEGATIVE
+    )
 
 
 # On a CPU the zero-config run must finish in minutes, on a loaded 2-core machine too (README,

@@ -14,7 +14,8 @@ import torch
 
 from conftest import REPO, table_entries, update_table
 from fastpt.cli import parse_args
-from fastpt.plan import gpus, planner, timing
+from fastpt.errors import ConfigError
+from fastpt.plan import gpus, planner, report, timing
 from fastpt.plan.flops import Cost
 
 TABLE = REPO / "tests" / "planned_times.json"
@@ -110,8 +111,9 @@ def test_plan_prints_the_step_time_and_its_kernels():
     plan = plan_of(*TINY, "--plan-gpu", "h100-80")
     lines = planner.describe(plan)
     step = next(line for line in lines if line.startswith("step on H100 80GB: "))
-    assert " tok/s, MFU " in step and "10,000 steps = " in step and "communication 0.0 exposed" in step
-    kernels = lines[lines.index(step) + 2 : lines.index(step) + 10]
+    assert " tok/s, MFU " in step and "(HFU " in step and "communication 0.0 exposed" in step
+    assert lines[lines.index(step) + 1].startswith("  10,000 steps = ")
+    kernels = lines[lines.index(step) + 3 : lines.index(step) + 11]
     assert len(kernels) == 8 and all(" µs " in line for line in kernels)
     record = planner.to_json(plan)
     assert {"step_ms", "tok_s", "tok_s_per_gpu", "mfu", "time_parts", "kernels"} <= set(record)
@@ -139,6 +141,105 @@ def test_fsdp_plans_its_collectives_and_ddp_its_buckets():
     assert len(reduces) == len(ddp.kernels.ddp_buckets) > 0
     slow_link = timing.step_time(ddp.kernels, dataclasses.replace(gpus.SPEEDS["l4"], link_gbs=0.01))
     assert slow_link.parts["communication"] > 0.5 * slow_link.seconds
+
+
+# ---- Muon, MFU, what the renter reads
+
+
+def newton_schulz_ops(plan: planner.Plan) -> list[timing.Op]:
+    return [o for o in plan.kernels.sequence() if o.label.startswith("Newton-Schulz")]
+
+
+def test_newton_schulz_is_priced_in_bf16_on_cuda():
+    """The CPU trace runs Newton-Schulz in fp32; on CUDA fastpt.muon runs it in bf16 on the tensor cores."""
+    ops = newton_schulz_ops(plan_of(*TINY, "--optimizer", "muon", "--plan-gpu", "h100-80"))
+    assert ops and all(o.cost.dtype == torch.bfloat16 and o.phase == "optimizer" for o in ops)
+    fp32 = dataclasses.replace(ops[0].cost, dtype=torch.float32)
+    assert timing.kernel_seconds(H100, fp32, 1)[0] > timing.kernel_seconds(H100, ops[0].cost, 1)[0]
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_muon_plans_one_ranks_share_and_its_all_gathers(parallel):
+    """On 4 ranks each orthogonalizes ceil(n / 4) of each shape's n matrices (the tiny preset's: 8, 4
+    and 2, a share of 1/4 to 1/2) and all-gathers the rest. FSDP's trace runs rank 0 of 4 over a
+    fake process group; DDP's runs one process, which the plan cuts to a rank's share."""
+    flags = (*TINY, "--optimizer", "muon", "--parallel", parallel, "--plan-gpu", "h100-80")
+    one, four = plan_of(*flags), plan_of(*flags, "--plan-world-size", "4")
+    flops = [sum(o.cost.flops for o in newton_schulz_ops(p)) for p in (one, four)]
+    assert 0.25 * flops[0] < flops[1] < 0.5 * flops[0]
+    gathers = [o for o in four.kernels.sequence() if o.phase == "optimizer" and o.cost.comm == "all-gather"]
+    assert len(gathers) >= 3 and not [o for o in one.kernels.sequence() if o.cost.kind == "comm"]
+
+
+def test_mfu_is_the_models_whatever_the_kernels():
+    """MFU counts the model's FLOPs per token: fastpt's fused linear + cross-entropy (auto) and
+    PyTorch's (torch) give the same MFU x step time; its extra work shows in the time only."""
+    steps = [plan_of(*TINY, "--kernels", k, "--plan-gpu", "h100-80").step_time() for k in ("auto", "torch")]
+    model_flops = [s.mfu * s.seconds for s in steps]
+    assert model_flops[0] == pytest.approx(model_flops[1], rel=1e-12)
+    assert steps[0].hfu > 0 and steps[0].seconds != steps[1].seconds
+
+
+def test_no_printed_figure_rounds_to_zero():
+    """336 tok/s over 8 GPUs is '42 per GPU', not '0k'; 0.04 ms of optimizer is not '0.0'."""
+    assert report.count(336 / 8) == "42" and report.count(336_000) == "336k" and report.count(0.3) == "0.3"
+    assert report.figure(0.04) == "0.04" and report.figure(0.0004, 2) == "0.0004" and report.figure(0.0) == "0.0"
+    assert report.duration(0.4) == "0.4s" and report.duration(3 * 3600 + 300) == "3h05m"
+    assert planner.gib(2**20) == "0.00098 GiB"
+
+
+def test_the_plan_prices_the_run_and_names_its_link():
+    """GPU-hours for max_steps on every GPU, a cost with --plan-price, the link of a many-GPU plan."""
+    plan = plan_of(*TINY, "--parallel", "ddp", "--plan-world-size", "2", "--plan-price", "2.5", "--plan-gpu", "l40s")
+    step, record = plan.step_time(), planner.to_json(plan)
+    assert record["gpu_hours"] == pytest.approx(step.seconds * 10_000 * 2 / 3600)
+    assert record["cost_usd"] == pytest.approx(2.5 * record["gpu_hours"])
+    line = next(line for line in planner.describe(plan) if line.startswith("  10,000 steps = "))
+    assert "on 2 GPUs" in line and " per GPU-hour" in line and "link assumed: PCIe 4.0 x16" in line
+
+
+def test_a_negative_price_is_refused():
+    cli, config_file = parse_args([*TINY, "--plan-price", "-1", "--plan-gpu", "h100-80"])
+    with pytest.raises(ConfigError, match="'plan_price' must be >= 0, got -1.0"):
+        planner.planned_config(cli, config_file)
+
+
+@pytest.mark.parametrize(
+    "cuda_name, key",
+    [
+        ("NVIDIA L40S", "l40s"),
+        ("NVIDIA L4", "l4"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),
+        ("NVIDIA H100 80GB HBM3", "h100-80"),
+        ("NVIDIA A10G", "a10g"),
+        ("NVIDIA GeForce RTX 3090", "3090"),
+        ("NVIDIA RTX A6000", "a6000"),
+    ],
+)
+def test_a_renters_card_is_known_by_its_cuda_name(cuda_name, key):
+    assert gpus.speed_of(gpus.Card(cuda_name, 24 * gpus.GIB)) is gpus.SPEEDS[key]
+    assert gpus.speed_of(gpus.card(key)) is gpus.SPEEDS[key]
+
+
+def test_the_step_names_the_clock_that_bounds_it():
+    """The tiny step is launch-bound (the CPU side is most of it); 0.04b's large one is the GPU's."""
+    small = plan_of(*TINY, "--plan-gpu", "h100-80").step_time()
+    assert small.bound == "CPU" and small.cpu_seconds > 0.5 * small.seconds
+
+
+def published_runs() -> list[float]:
+    """planned / reported of each row of docs/performance.md's published-run table."""
+    text = (REPO / "docs" / "performance.md").read_text()
+    table = text[text.index("### Published runs") :].split("\n\n")[1]
+    return [float(row.rsplit("|", 2)[1]) for row in table.splitlines()[2:]]
+
+
+def test_the_error_band_printed_is_the_published_tables():
+    ratios = published_runs()
+    errors = sorted(abs(r - 1) for r in ratios)
+    median = (errors[(len(errors) - 1) // 2] + errors[len(errors) // 2]) / 2
+    assert len(ratios) >= 12
+    assert report.ERROR_BAND == pytest.approx((median, errors[-1]), abs=0.005)
 
 
 # ---- the committed table of planned step times, and eager vs compiled

@@ -23,6 +23,11 @@ GPUS = {
     "a100-80": ("A100 80GB", 81920),
     "l4": ("L4", 23034),
     "4090": ("RTX 4090", 24564),
+    "h100-pcie": ("H100 PCIe", 81559),
+    "l40s": ("L40S", 46068),
+    "a10g": ("A10G", 23028),
+    "3090": ("RTX 3090", 24576),
+    "a6000": ("RTX A6000", 49140),
 }
 # A bound on --plan-gpu NGiB (sixteen times today's largest cards' memory): past it a size is a
 # mistake, and too large a number would overflow the byte count.
@@ -38,7 +43,7 @@ CUDA_CONTEXT = GIB // 2
 CUBLAS_WORKSPACE = 32 * MIB  # PyTorch's default on Hopper (CUBLAS_WORKSPACE_CONFIG :4096:8)
 CUBLAS_WORKSPACE_BEFORE_HOPPER = 8 * MIB + 128 * 2**10  # Ampere, Ada (:4096:2:16:8)
 CUBLASLT_WORKSPACE = MIB
-BEFORE_HOPPER = {"a100-40", "a100-80", "l4", "4090"}
+BEFORE_HOPPER = {"a100-40", "a100-80", "l4", "4090", "l40s", "a10g", "3090", "a6000"}
 
 
 @dataclass
@@ -167,6 +172,11 @@ SPEEDS = {
     "a100-80": Speed(312, 156, 19.5, 2039, 108, 300, "NVLink 3", 0.80, 0.85),
     "l4": Speed(121, 60, 30.3, 300, 58, 32, "PCIe 4.0 x16", 0.75, 0.85),
     "4090": Speed(165.2, 82.6, 82.6, 1008, 128, 25, "PCIe 4.0 x16, no P2P", 0.75, 0.85),
+    "h100-pcie": Speed(756.5, 378, 51.2, 2000, 114, 64, "PCIe 5.0 x16", 0.708, 0.85),
+    "l40s": Speed(362.05, 183, 91.6, 864, 142, 32, "PCIe 4.0 x16", 0.75, 0.85),
+    "a10g": Speed(125, 62.5, 31.2, 600, 72, 32, "PCIe 4.0 x16", 0.75, 0.85),
+    "3090": Speed(71, 35.6, 35.6, 936, 82, 32, "PCIe 4.0 x16", 0.75, 0.85),
+    "a6000": Speed(154.8, 77.4, 38.7, 768, 84, 32, "PCIe 4.0 x16", 0.75, 0.85),
 }
 
 
@@ -177,7 +187,9 @@ def speed_of(gpu: Card) -> Speed | None:
         if gpu.name == name:
             return SPEEDS[key]
     cuda_name = gpu.name.upper()
-    for key, model in (("h200", "H200"), ("h100-80", "H100"), ("l4", " L4"), ("4090", "4090")):
+    names = (("h200", "H200"), ("h100-pcie", "H100 PCIE"), ("h100-80", "H100"), ("l40s", "L40S"), ("l4", " L4"))
+    names += (("a10g", "A10G"), ("3090", "3090"), ("a6000", "A6000"), ("4090", "4090"))
+    for key, model in names:
         if model in cuda_name:
             return SPEEDS[key]
     if "A100" in cuda_name:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import re
 import time
@@ -35,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastpt import distributed, kernels
+from fastpt import distributed, kernels, muon
 from fastpt.checkpoint import resumed_model
 from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, check_runtime, resolve
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
 from fastpt.errors import ConfigError
 from fastpt.hf import from_hf_config, is_hf_dir, read_json
-from fastpt.plan import timing, torch_internals
+from fastpt.plan import report, timing, torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
 from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, cublas_workspaces, scratch_table, speed_of
 from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
@@ -219,24 +220,46 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
         loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
         step = lambda: train_step(net, loader, step_config(cfg), d)
         cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
-        with timing.KernelTrace(mem, cuda_graphs) as timed:
+        with timing.KernelTrace(mem, cuda_graphs, muon.ns_dtype(torch.device(target))) as timed:
             trace_steps(mem, step, net.raw, net.optimizers, target)
-        params = net.raw.num_params()
+        params, flops_per_token = net.raw.num_params(), net.raw.flops_per_token(seq_len)
+        groups = muon_groups(net.optimizers, muon.ns_dtype(torch.device(target))) if ddp else []
     for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
         life.nbytes = 0 if life.kind == "gradients" else life.nbytes
     peak = peak_of(mem, target, micro_steps)
     plan = Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
-    plan.kernels = kernel_log(timed, plan, [life.shape[0] for life in mem.lives if life.kind == "DDP gradient buckets"])
+    buckets = [life.shape[0] for life in mem.lives if life.kind == "DDP gradient buckets"]
+    plan.kernels = kernel_log(timed, plan, buckets, flops_per_token, groups)
     return plan
 
 
-def kernel_log(timed: timing.KernelTrace, plan: Plan, ddp_buckets: list[int]) -> timing.KernelLog:
+def muon_groups(optimizers: list, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Muon's matrices by shape, as fastpt.muon.orthogonalize batches them: (how many, bytes each in
+    Newton-Schulz's dtype). A DDP plan traces one process, which orthogonalizes every matrix; on N
+    ranks each does its share of each group and all-gathers the rest (timing.KernelLog.with_muon)."""
+    shapes: dict[tuple[int, ...], int] = {}
+    for opt in optimizers:
+        if isinstance(opt, muon.Muon):
+            for p in (p for group in opt.param_groups for p in group["params"]):
+                shapes[tuple(p.shape)] = shapes.get(tuple(p.shape), 0) + 1
+    return [(n, math.prod(shape) * dtype.itemsize) for shape, n in shapes.items()]
+
+
+def kernel_log(
+    timed: timing.KernelTrace,
+    plan: Plan,
+    ddp_buckets: list[int],
+    flops_per_token: float,
+    matrices: list[tuple[int, int]],
+) -> timing.KernelLog:
     """The last traced step's launches, and what the run's step repeats of them."""
     step = max(op.step for op in timed.ops)
     last = [op for op in timed.ops if op.step == step]
     tokens = plan.cfg.micro_batch * plan.seq_len * plan.cfg.grad_accum * plan.world_size
     micro_steps = step_config(plan.cfg).grad_accum
-    return timing.KernelLog(last, micro_steps, plan.cfg.grad_accum, plan.world_size, tokens, ddp_buckets)
+    return timing.KernelLog(
+        last, micro_steps, plan.cfg.grad_accum, plan.world_size, tokens, flops_per_token, ddp_buckets, matrices
+    )
 
 
 DDP_BUCKET_BYTES = (2**20, 25 * 2**20)  # DDP's first bucket, then bucket_cap_mb's default
@@ -292,7 +315,7 @@ def clip_phase(where: str, micro_steps: int) -> str:
 
 
 def gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
+    return f"{report.figure(nbytes / GIB, 2)} GiB"
 
 
 def command_seconds() -> float | None:
@@ -352,7 +375,7 @@ def describe(plan: Plan) -> list[str]:
     if cuda and plan.card is not None:
         step = plan.step_time()
         lines += (
-            timing.describe(step, plan.card.name, cfg.max_steps, cfg.compile)
+            report.describe(step, plan.card.name, speed_of(plan.card), cfg.max_steps, cfg.compile, cfg.plan_price)
             if step
             else [f"step time: {plan.card} has no known speed; give one of the named --plan-gpu cards to plan it"]
         )
@@ -390,5 +413,5 @@ def to_json(plan: Plan) -> dict:
         if plan.card.free is not None:
             out.update(gpu_free_gib=plan.card.free / GIB)
     if step := plan.step_time():
-        out.update(timing.to_json(step))
+        out.update(report.to_json(step, plan.cfg.max_steps, plan.cfg.plan_price))
     return out

@@ -18,12 +18,18 @@ them on a timeline of three clocks, one per side of the machine:
   the kernels reading its output wait for it. DDP's buckets (one process planned) are all-reduced
   as the syncing backward reaches them (by its FLOPs); the optimizer waits for every collective.
 
+Muon's Newton-Schulz matmuls (the optimizer's only matmuls) are priced in the dtype they run in on
+the target (fastpt.muon.ns_dtype), and a DDP plan cuts them to one rank's share and adds Muon's
+all-gathers (KernelLog.with_muon). MFU is the model's FLOPs per token over the step, whatever
+kernels run; HFU counts the kernels' own FLOPs.
+
 The trace runs at most two micro-steps (planner.step_config): the first is repeated grad_accum - 1
 times, the second (which syncs) once. Constants and their sources: docs/performance.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -70,12 +76,12 @@ class KernelTrace(TorchDispatchMode):
 
     supports_higher_order_operators = True
 
-    def __init__(self, mem: MemoryTrace, cuda_graphs: bool = False):
+    def __init__(self, mem: MemoryTrace, cuda_graphs: bool = False, ns_dtype: torch.dtype | None = None):
         super().__init__()
         from torch.distributed.tensor import DTensor  # here, not at the top: ~1 s of fastpt.train's start-up
 
         self._dtensor = DTensor  # once per trace, not once per op
-        self.mem, self.cuda_graphs = mem, cuda_graphs
+        self.mem, self.cuda_graphs, self.ns_dtype = mem, cuda_graphs, ns_dtype
         self.ops: list[Op] = []
         self._step, self._micro, self._last, self._in_optimizer, self._hooks = -1, 1, "forward", False, ()
 
@@ -131,11 +137,22 @@ class KernelTrace(TorchDispatchMode):
         else:
             cpu = VIEW_OP_US if cost.kind == "free" else EAGER_OP_US
         phase = self._phase()
+        if phase == "optimizer" and cost.kind == "matmul":  # no optimizer but Muon multiplies matrices
+            cost, label = newton_schulz(cost, self.ns_dtype), f"Newton-Schulz: {label}"
         reads = tuple(st._cdata for t in tensors((args, kwargs)) for st in storages(t))
         writes = tuple(st._cdata for t in tensors(out) for st in storages(t))
         if cost.kind == "comm":  # in-place collectives write their output argument
             writes += reads
         self.ops.append(Op(label, phase, self._micro, cost, cpu * cost.launches, reads, writes, self._step))
+
+
+def newton_schulz(cost: Cost, dtype: torch.dtype | None) -> Cost:
+    """A Newton-Schulz matmul as it runs on the target (fastpt.muon.ns_dtype: bf16 on CUDA), where
+    the CPU trace ran it in fp32: its FLOPs at that dtype's rate, its bytes at its width."""
+    if dtype is None or cost.dtype is None or dtype == cost.dtype:
+        return cost
+    width = dtype.itemsize / cost.dtype.itemsize
+    return dataclasses.replace(cost, dtype=dtype, bytes=int(cost.bytes * width))
 
 
 def cost_shape(func: torch._ops.OpOverload, args: tuple) -> str:
@@ -177,7 +194,9 @@ class KernelLog:
     grad_accum: int  # the run's
     world_size: int
     tokens: int  # per optimizer step, all GPUs
+    flops_per_token: float  # the model's (fastpt.model.flops_per_token: MFU's numerator), not the kernels'
     ddp_buckets: list[int] = field(default_factory=list)  # bytes, in the order the backward fills them
+    muon_groups: list[tuple[int, int]] = field(default_factory=list)  # DDP: Muon's matrices (count, bytes each)
 
     def sequence(self) -> list[Op]:
         """The run's whole step: the first micro-step grad_accum - 1 times, the syncing one, then the
@@ -188,7 +207,31 @@ class KernelLog:
             o.phase = "optimizer"
         last = self.with_ddp(micro[1])
         barrier = Op("wait for the collectives", "backward", 0, Cost("barrier"), 0.0)
-        return micro[0] * (self.grad_accum - 1) + last + [barrier] + rest
+        return micro[0] * (self.grad_accum - 1) + last + [barrier] + self.with_muon(rest)
+
+    def with_muon(self, ops: list[Op]) -> list[Op]:
+        """A DDP plan's Muon on one of N ranks (the trace ran one process, which orthogonalizes every
+        matrix): each shape's Newton-Schulz batch of n matrices cut to the rank's ceil(n / N), then one
+        all-gather per shape of N shares, which the parameters' update waits for (fastpt.muon)."""
+        if self.world_size == 1 or not self.muon_groups:
+            return ops
+        out = [mine(op, self.world_size) if op.label.startswith("Newton-Schulz") else op for op in ops]
+        last = max(i for i, op in enumerate(out) if op.label.startswith("Newton-Schulz"))
+        done = out[last].writes  # the gathers start once Newton-Schulz is done (its last batch's output)
+        gathers = [
+            Op(
+                "Muon all-gather",
+                "optimizer",
+                0,
+                Cost("comm", comm="all-gather", comm_bytes=nbytes * ranks),
+                EAGER_OP_US,
+                done,
+            )
+            for n, nbytes in self.muon_groups
+            for ranks in [-(-n // self.world_size) * self.world_size]
+        ]
+        barrier = Op("wait for Muon's all-gathers", "optimizer", 0, Cost("barrier"), 0.0)
+        return out[: last + 1] + gathers + [barrier] + out[last + 1 :]
 
     def with_ddp(self, ops: list[Op]) -> list[Op]:
         """DDP's bucket copies and all-reduces, placed where the backward has done their share of
@@ -216,6 +259,16 @@ class KernelLog:
         return out
 
 
+def mine(op: Op, world_size: int) -> Op:
+    """A batched Newton-Schulz matmul of n matrices cut to one rank's ceil(n / world_size)."""
+    ((m, n, k, batch),) = op.cost.matmuls
+    share = -(-batch // world_size)
+    cost = dataclasses.replace(
+        op.cost, matmuls=[(m, n, k, share)], flops=op.cost.flops * share / batch, bytes=op.cost.bytes * share // batch
+    )
+    return dataclasses.replace(op, cost=cost)
+
+
 @dataclass
 class Kernel:
     """One kernel of the run's step, priced: its FLOPs, bytes, what bounds it, its time."""
@@ -235,9 +288,11 @@ class StepTime:
     parts: dict[str, float]  # forward, backward, optimizer, communication (exposed), overhead
     tokens: int
     world_size: int
-    mfu: float
+    mfu: float  # the model's FLOPs per token (fastpt.model.flops_per_token) x tokens / time / bf16 peak
+    hfu: float  # every matmul and attention FLOP the kernels do (recompute, Newton-Schulz included) / time / peak
     launches: int
     cpu_seconds: float
+    bound: str  # the clock with the most work, which the others wait for: CPU | GPU | communication
     kernels: list[Kernel]
 
     @property
@@ -326,10 +381,20 @@ def step_time(log: KernelLog, speed: Speed) -> StepTime:
     parts = {p: busy.get(p, 0.0) for p in PARTS}
     parts["communication"] = total - alone
     parts["overhead"] = alone - sum(busy.values())
-    forward = sum(op.cost.flops for op in ops if op.phase == "forward")
-    mfu = 3 * forward / total / peak_flops(speed, torch.bfloat16)
+    peak = peak_flops(speed, torch.bfloat16) * total
+    mfu = log.flops_per_token * log.tokens / log.world_size / peak
+    hfu = sum(op.cost.flops for op in ops) / peak
     launches = sum(op.cost.launches for op in ops if op.cost.kind not in ("free", "sync", "barrier"))
-    return StepTime(total, parts, log.tokens, log.world_size, mfu, launches, cpu, top_kernels(ops, priced))
+    kernels = top_kernels(ops, priced)
+    # the clock with the most work bounds the step: the others wait for it (the stream idles for a
+    # CPU that launches too slowly: `overhead`; the optimizer for collectives: `communication`)
+    work = {
+        "CPU": cpu,
+        "GPU": sum(busy.values()),
+        "communication": sum(t for op, t in zip(ops, seconds) if op.cost.kind == "comm"),
+    }
+    bound = max(work, key=work.get)
+    return StepTime(total, parts, log.tokens, log.world_size, mfu, hfu, launches, cpu, bound, kernels)
 
 
 def top_kernels(ops: list[Op], priced: list[tuple[float, str]]) -> list[Kernel]:
@@ -344,69 +409,3 @@ def top_kernels(ops: list[Op], priced: list[tuple[float, str]]) -> list[Kernel]:
         k.count += 1
         k.seconds += t
     return sorted(groups.values(), key=lambda k: -k.seconds)
-
-
-# ---- the report
-
-
-def duration(seconds: float) -> str:
-    """14m44s, 3h05m, 2d03h."""
-    s = round(seconds)
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def si(x: float, unit: str) -> str:
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= scale:
-            return f"{x / scale:.1f} {prefix}{unit}"
-    return f"{x:.0f} {unit}"
-
-
-def describe(step: StepTime, card_name: str, max_steps: int, compiled: bool, top: int = 8) -> list[str]:
-    """The step's lines of --plan: its time and parts, tok/s, MFU, the run's wall time, its kernels."""
-    p = {k: v * 1e3 for k, v in step.parts.items()}
-    tok = f"{step.tok_s / 1e3:,.0f}k" if step.tok_s >= 1e3 else f"{step.tok_s:,.0f}"
-    per_gpu = f" ({step.tok_s_per_gpu / 1e3:,.0f}k per GPU)" if step.world_size > 1 else ""
-    lines = [
-        f"step on {card_name}: {step.seconds * 1e3:.1f} ms (forward {p['forward']:.1f}, backward {p['backward']:.1f}, "
-        f"optimizer {p['optimizer']:.1f}, communication {p['communication']:.1f} exposed, overhead "
-        f"{p['overhead']:.1f}) -> {tok} tok/s{per_gpu}, MFU {step.mfu:.2f}; {max_steps:,} steps = "
-        f"{duration(step.seconds * max_steps)}",
-        f"  {step.launches:,} launches ({'compiled' if compiled else 'eager'}), "
-        f"CPU side {step.cpu_seconds * 1e3:.1f} ms; "
-        f"the {top} most expensive kernels:",
-    ]
-    for k in step.kernels[:top]:
-        lines.append(
-            f"  {k.seconds * 1e6:>9,.0f} µs  {k.count:>4} x  {k.label} ({k.phase}): {si(k.flops, 'FLOP')}, "
-            f"{si(k.bytes, 'B')}, {k.bound}"
-        )
-    return lines
-
-
-def to_json(step: StepTime, top: int = 8) -> dict:
-    """The keys --plan-json adds."""
-    return {
-        "step_ms": step.seconds * 1e3,
-        "tok_s": step.tok_s,
-        "tok_s_per_gpu": step.tok_s_per_gpu,
-        "mfu": step.mfu,
-        "time_parts": {k: v * 1e3 for k, v in step.parts.items()},
-        "launches": step.launches,
-        "kernels": [
-            {
-                "name": k.label,
-                "phase": k.phase,
-                "count": k.count,
-                "flops": k.flops,
-                "bytes": k.bytes,
-                "bound": k.bound,
-                "us": k.seconds * 1e6,
-            }
-            for k in step.kernels[:top]
-        ],
-    }

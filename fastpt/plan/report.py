@@ -1,0 +1,114 @@
+"""The planned step time as --plan prints it and --plan-json writes it: its parts and the clock that
+bound it, tok/s, MFU (and HFU beside it), the run's wall time, GPU-hours and cost, the link assumed,
+the plan's own error band, the most expensive kernels. A printed figure never rounds a nonzero value
+to zero (figure); the JSON keeps full precision."""
+
+from __future__ import annotations
+
+from fastpt.plan.gpus import Speed
+from fastpt.plan.timing import StepTime
+
+# planned / reported step time over docs/performance.md's published runs (its "Published runs"
+# table; tests/test_timing.py recomputes both from the table): the median and the worst error.
+ERROR_BAND = (0.155, 0.45)
+
+
+def figure(x: float, decimals: int = 1) -> str:
+    """x with `decimals` places, or two significant digits where those places would show a nonzero x as 0."""
+    text = f"{x:,.{decimals}f}"
+    if x != 0 and float(text.replace(",", "")) == 0:
+        return f"{x:.2g}"
+    return text
+
+
+def count(x: float) -> str:
+    """A rate such as tok/s: 1,008k from 10,000 up, else whole (336), never 0 for a nonzero one."""
+    return f"{x / 1e3:,.0f}k" if x >= 1e4 else figure(x, 0)
+
+
+def duration(seconds: float) -> str:
+    """41.3s, 14m44s, 3h05m, 2d03h."""
+    if seconds < 59.5:
+        return f"{figure(seconds)}s"
+    s = round(seconds)
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f} {prefix}{unit}"
+    return f"{figure(x, 0)} {unit}"
+
+
+def gpu_hours(step: StepTime, max_steps: int) -> float:
+    return step.seconds * max_steps * step.world_size / 3600
+
+
+def run_line(step: StepTime, speed: Speed, max_steps: int, price: float) -> str:
+    """The run's wall time, GPU-hours and cost, the link assumed, and how far to trust them."""
+    hours = gpu_hours(step, max_steps)
+    cost = f" = ${figure(hours * price, 2)} at ${figure(price, 2)} per GPU-hour" if price else ""
+    link = f"; link assumed: {speed.link}, {speed.link_gbs:g} GB/s per direction" if step.world_size > 1 else ""
+    median, worst = ERROR_BAND
+    return (
+        f"  {max_steps:,} steps = {duration(step.seconds * max_steps)} on {step.world_size} GPU"
+        f"{'s' if step.world_size > 1 else ''} = {figure(hours, 2)} GPU-hours{cost}{link}; "
+        f"the plan's error against published runs: median {median:.0%}, worst {worst:.0%} (docs/performance.md)"
+    )
+
+
+def describe(
+    step: StepTime, card_name: str, speed: Speed, max_steps: int, compiled: bool, price: float = 0.0
+) -> list[str]:
+    """The step's lines of --plan (module docstring), its 8 most expensive kernels last."""
+    p = {k: figure(v * 1e3) for k, v in step.parts.items()}
+    per_gpu = f" ({count(step.tok_s_per_gpu)} per GPU)" if step.world_size > 1 else ""
+    lines = [
+        f"step on {card_name}: {figure(step.seconds * 1e3)} ms (forward {p['forward']}, backward {p['backward']}, "
+        f"optimizer {p['optimizer']}, communication {p['communication']} exposed, overhead {p['overhead']}; "
+        f"{step.bound}-bound) -> {count(step.tok_s)} tok/s{per_gpu}, MFU {figure(step.mfu, 2)} "
+        f"(HFU {figure(step.hfu, 2)})",
+        run_line(step, speed, max_steps, price),
+        f"  {step.launches:,} launches ({'compiled' if compiled else 'eager'}), "
+        f"CPU side {figure(step.cpu_seconds * 1e3)} ms; the 8 most expensive kernels:",
+    ]
+    for k in step.kernels[:8]:
+        lines.append(
+            f"  {figure(k.seconds * 1e6, 0):>9} µs  {k.count:>4} x  {k.label} ({k.phase}): {si(k.flops, 'FLOP')}, "
+            f"{si(k.bytes, 'B')}, {k.bound}"
+        )
+    return lines
+
+
+def to_json(step: StepTime, max_steps: int, price: float = 0.0) -> dict:
+    """The keys --plan-json adds, unrounded."""
+    return {
+        "step_ms": step.seconds * 1e3,
+        "tok_s": step.tok_s,
+        "tok_s_per_gpu": step.tok_s_per_gpu,
+        "mfu": step.mfu,
+        "hfu": step.hfu,
+        "bound": step.bound,
+        "time_parts": {k: v * 1e3 for k, v in step.parts.items()},
+        "launches": step.launches,
+        "gpu_hours": gpu_hours(step, max_steps),
+        **({"cost_usd": gpu_hours(step, max_steps) * price} if price else {}),
+        "error_band": {"median": ERROR_BAND[0], "worst": ERROR_BAND[1]},
+        "kernels": [
+            {
+                "name": k.label,
+                "phase": k.phase,
+                "count": k.count,
+                "flops": k.flops,
+                "bytes": k.bytes,
+                "bound": k.bound,
+                "us": k.seconds * 1e6,
+            }
+            for k in step.kernels[:8]
+        ],
+    }
