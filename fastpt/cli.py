@@ -11,7 +11,7 @@ from fastpt.errors import ArgumentParser, ConfigError, suggest
 from fastpt.presets import describe_presets
 
 # A run's config.toml keys that say where and how it ran this time, never what it is.
-NOT_RESUMED = ("out", "resume", "device", "plan", "plan_json")
+NOT_RESUMED = ("out", "resume", "resume_require", "threads", "device", "plan", "plan_json")
 
 
 def int_or_auto(text: str) -> int | str:

@@ -53,6 +53,29 @@ class Dist:
 ONE_PROCESS = Dist()  # a plain run's: nothing to reduce or sync
 
 
+def cpu_threads(requested: int) -> int:
+    """torch's CPU threads for this process: `requested`, or for 0 the cores not busy now, shared by
+    torchrun's local ranks. torch's own default (every core) oversubscribes a busy machine: the
+    README's first run took 3x longer with it than with one thread on a 2-core machine at load 2."""
+    if requested:
+        return requested
+    from fastpt.prepare import all_cores  # the cores this process may run on (its affinity)
+
+    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, (all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def one_process_warning(parallel: str, d: Dist) -> str:
+    """The line a run asked for --parallel fsdp but started without torchrun gets (it trains as one
+    unsharded process, which a user may not expect), else ''."""
+    if parallel != "fsdp" or d.enabled:
+        return ""
+    return (
+        "fastpt: warning: --parallel fsdp shards only under torchrun (torchrun --nproc-per-node N -m fastpt.train "
+        "...); this run is one process, unsharded"
+    )
+
+
 def setup(device_type: str) -> Dist:
     """Join the torchrun process group (nccl on CUDA, gloo on CPU); a plain run is world size 1."""
     if device_type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
