@@ -54,14 +54,16 @@ ONE_PROCESS = Dist()  # a plain run's: nothing to reduce or sync
 
 
 def cpu_threads(requested: int) -> int:
-    """torch's CPU threads for this process: `requested`, or for 0 the cores not busy now, shared by
-    torchrun's local ranks. torch's own default (every core) oversubscribes a busy machine: the
-    README's first run took 3x longer with it than with one thread on a 2-core machine at load 2."""
+    """torch's CPU threads for this process: `requested`, or for 0 the cores not busy now (the whole
+    cores the 1-minute load average keeps busy taken away), shared by torchrun's local ranks. torch's
+    own default (every core) oversubscribes a busy machine: the README's first run took 3x longer
+    with it than with one thread on a 2-core machine at load 2; on the same machine at load 0.7 two
+    threads were 1.45x faster than one, so a partly busy core still counts as free."""
     if requested:
         return requested
     from fastpt.prepare import all_cores  # the cores this process may run on (its affinity)
 
-    busy = round(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
     return max(1, (all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 

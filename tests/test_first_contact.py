@@ -112,6 +112,12 @@ def test_default_threads_leave_the_busy_cores(monkeypatch):
     assert distributed.cpu_threads(0) == 6
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (40.0, 0.0, 0.0))
     assert distributed.cpu_threads(0) == 1
+    monkeypatch.setattr(prepare, "all_cores", lambda: 2)
+    monkeypatch.setattr(distributed.os, "getloadavg", lambda: (0.7, 0.0, 0.0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert distributed.cpu_threads(0) == 2  # a partly busy core still counts: 1.45x faster than 1 thread
+    monkeypatch.setattr(distributed.os, "getloadavg", lambda: (2.1, 0.0, 0.0))
+    assert distributed.cpu_threads(0) == 1
 
 
 def test_threads_are_set_and_named_in_the_summary(tiny_data, tmp_path, capsys):
