@@ -58,9 +58,12 @@ def cpu_threads(requested: int) -> int:
     cores the 1-minute load average keeps busy taken away), shared by torchrun's local ranks. torch's
     own default (every core) oversubscribes a busy machine: the README's first run took 3x longer
     with it than with one thread on a 2-core machine at load 2; on the same machine at load 0.7 two
-    threads were 1.45x faster than one, so a partly busy core still counts as free."""
+    threads were 1.45x faster than one, so a partly busy core still counts as free. An
+    OMP_NUM_THREADS in the environment is a choice already made: torch's count, which follows it."""
     if requested:
         return requested
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
     from fastpt.prepare import all_cores  # the cores this process may run on (its affinity)
 
     busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0

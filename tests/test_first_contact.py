@@ -102,7 +102,14 @@ def test_a_checkpoint_a_killed_save_left_aside_occupies_the_folder(runs, tiny_da
     train_refuses(capsys, tiny_args(tiny_data, run_dir), "already holds a run (newest checkpoint ckpt_00000001.pt)")
 
 
+def test_default_threads_keep_omp_num_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torch took it at start (conftest sets both)
+    monkeypatch.setattr(distributed.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert distributed.cpu_threads(0) == torch.get_num_threads() == 1
+
+
 def test_default_threads_leave_the_busy_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(prepare, "all_cores", lambda: 16)
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (3.4, 0.0, 0.0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
