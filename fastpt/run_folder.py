@@ -1,7 +1,8 @@
 """What fastpt.train checks about --out before any work: every refusal that depends only on the
-flags and the folders (a folder of runs, an occupied folder, --resume-require with nothing to
-resume) comes before the data is prepared or the model traced, and --resume says what it will do.
-The lock on the folder (metrics.own_run_folder) is taken later, by the main rank only."""
+flags and the folders (another trainer on it, a folder of runs, an occupied folder,
+--resume-require with nothing to resume) comes before the data is prepared, the batch planned or
+the model traced, and --resume says what it will do. The lock on the folder
+(metrics.own_run_folder) is taken later, by the main rank only."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from fastpt.checkpoint import latest
 from fastpt.errors import ConfigError
+from fastpt.files import check_unlocked
 
 if TYPE_CHECKING:
     from fastpt.config import TrainConfig
@@ -51,6 +53,7 @@ def check_out(cfg: TrainConfig) -> str:
     """Refuse an --out this run must not use; returns, for a --resume that will start the run
     afresh, the line that says why (else '')."""
     run_dir = Path(cfg.out)
+    check_unlocked(run_dir / ".lock", "trainer")  # metrics.own_run_folder takes it after this
     if runs := held_runs(run_dir):
         listed = ", ".join(runs[:3]) + (", ..." if len(runs) > 3 else "")
         raise ConfigError(

@@ -4,6 +4,7 @@ afresh, --out refused before any work, the CPU thread count, and the silent mist
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, run_main, run_quietly, tiny_args, train_refuses
-from fastpt import distributed, prepare, train
+from fastpt import distributed, files, prepare, train
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,16 @@ def test_an_occupied_out_is_refused_before_any_work(runs, tiny_data, capsys, no_
         tiny_args(tiny_data, runs / "copyright", "--micro-batch", "auto"),
         f"{runs / 'copyright'} already holds a run (newest checkpoint ckpt_00000001.pt): add --resume",
     )
+
+
+def test_a_folder_another_trainer_holds_is_refused_before_any_work(runs, tiny_data, capsys, no_work):
+    run_dir = runs / "copyright"
+    with files.lock(run_dir / ".lock", "trainer"):
+        train_refuses(
+            capsys,
+            tiny_args(tiny_data, run_dir, "--resume", "--micro-batch", "auto"),
+            f"{run_dir} is in use by another trainer (pid {os.getpid()}",
+        )
 
 
 def test_a_checkpoint_a_killed_save_left_aside_occupies_the_folder(runs, tiny_data, capsys, no_work):
