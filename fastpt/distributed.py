@@ -71,13 +71,13 @@ def cpu_threads(requested: int) -> int:
 
 
 def one_process_warning(parallel: str, d: Dist) -> str:
-    """The line a run asked for --parallel fsdp but started without torchrun gets (it trains as one
-    unsharded process, which a user may not expect), else ''."""
+    """The line a run that asked for --parallel fsdp but runs as one process gets (no torchrun, or
+    torchrun with one: it trains unsharded, which a user may not expect), else ''."""
     if parallel != "fsdp" or d.enabled:
         return ""
     return (
-        "fastpt: warning: --parallel fsdp shards only under torchrun (torchrun --nproc-per-node N -m fastpt.train "
-        "...); this run is one process, unsharded"
+        "fastpt: warning: --parallel fsdp shards over torchrun's processes (torchrun --nproc-per-node N, N >= 2); "
+        "this run is one process, unsharded"
     )
 
 

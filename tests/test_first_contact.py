@@ -156,8 +156,8 @@ def test_fsdp_without_torchrun_says_so_once(tiny_data, tmp_path, capsys, optimiz
     assert code == 0, err
     warnings = [line for line in err.splitlines() if "--parallel fsdp" in line]
     assert warnings == [
-        "fastpt: warning: --parallel fsdp shards only under torchrun (torchrun --nproc-per-node N -m fastpt.train "
-        "...); this run is one process, unsharded"
+        "fastpt: warning: --parallel fsdp shards over torchrun's processes (torchrun --nproc-per-node N, N >= 2); "
+        "this run is one process, unsharded"
     ], err
 
 
