@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,11 @@ NOT_RESUMED = ("out", "resume", "resume_require", "threads", "device", "plan", "
 
 def int_or_auto(text: str) -> int | str:
     return text if text == AUTO else int(text)
+
+
+def spelled_out(argv: list[str]) -> list[str]:
+    """argv with `--resume=require` as the two flags it means, --resume --resume-require."""
+    return [flag for arg in argv for flag in (["--resume", "--resume-require"] if arg == "--resume=require" else [arg])]
 
 
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
@@ -53,7 +59,7 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
         else:
             kind = int_or_auto if name == "micro_batch" else FIELD_TYPES[name]
             ap.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=name.upper())
-    args, unknown = ap.parse_known_args(argv)
+    args, unknown = ap.parse_known_args(spelled_out(sys.argv[1:] if argv is None else argv))
     if unknown:
         hint = suggest(unknown[0].split("=")[0], flags)
         raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")

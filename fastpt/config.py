@@ -73,7 +73,9 @@ class TrainConfig:
         "(the same command after a preemption), saying why",
     )
     resume_require: bool = setting(
-        False, "with --resume: stop (exit 2) rather than start over when --out holds no checkpoint (for scripts)"
+        False,
+        "with --resume: stop (exit 2) rather than start over when --out holds no checkpoint (for scripts); "
+        "--resume=require is both flags",
     )
     threads: int = setting(
         0,

@@ -75,6 +75,8 @@ def test_resume_require_refuses_to_start_over(runs, tiny_data, capsys, no_work):
         f"--resume-require: nothing to resume, {typo} does not exist (did you mean {runs / 'copyright'}?)",
     )
     assert not typo.exists()
+    train_refuses(capsys, tiny_args(tiny_data, typo, "--resume=require"), "--resume-require: nothing to resume")
+    assert not typo.exists()
     train_refuses(capsys, tiny_args(tiny_data, typo, "--resume-require"), "'resume_require' needs --resume")
 
 
