@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from fastpt.checkpoint import latest
 from fastpt.errors import ConfigError
-from fastpt.files import check_unlocked
+from fastpt.files import check_unlocked, os_reason
 
 if TYPE_CHECKING:
     from fastpt.config import TrainConfig
@@ -53,6 +53,13 @@ def check_out(cfg: TrainConfig) -> str:
     """Refuse an --out this run must not use; returns, for a --resume that will start the run
     afresh, the line that says why (else '')."""
     run_dir = Path(cfg.out)
+    try:
+        return _check_out(cfg, run_dir)
+    except OSError as e:  # a folder on the way that cannot be listed
+        raise ConfigError(f"--out {run_dir}: cannot read it ({os_reason(e)})") from None
+
+
+def _check_out(cfg: TrainConfig, run_dir: Path) -> str:
     check_unlocked(run_dir / ".lock", "trainer")  # metrics.own_run_folder takes it after this
     if runs := held_runs(run_dir):
         listed = ", ".join(runs[:3]) + (", ..." if len(runs) > 3 else "")

@@ -115,6 +115,14 @@ def test_a_checkpoint_a_killed_save_left_aside_occupies_the_folder(runs, tiny_da
     train_refuses(capsys, tiny_args(tiny_data, run_dir), "already holds a run (newest checkpoint ckpt_00000001.pt)")
 
 
+def test_an_out_that_cannot_be_listed_is_one_line(runs, tiny_data, capsys, monkeypatch, no_work):
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "iterdir", denied)  # as chmod 000 would, which root ignores
+    train_refuses(capsys, tiny_args(tiny_data, runs), f"--out {runs}: cannot read it (Permission denied)")
+
+
 def test_default_threads_keep_omp_num_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torch took it at start (conftest sets both)
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
