@@ -224,10 +224,13 @@ def build_checkpointer(cfg: TrainConfig, data: Data, net: Net, state: TrainState
     return Checkpointer(Path(cfg.out), states, meta, cfg.keep_checkpoints, is_main)
 
 
-def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, log: Callable) -> None:
+def start_or_resume(
+    cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, log: Callable, fresh_note: str = ""
+) -> None:
     """--resume: every registered state from the newest checkpoint that loads, checked to be of this
-    run's model and optimizer, whose groups then take the config's settings (optim.reapply_settings).
-    A fresh run refuses a folder that holds an earlier run's checkpoints or metrics."""
+    run's model and optimizer, whose groups then take the config's settings (optim.reapply_settings);
+    with none, `fresh_note` (run_folder.check_out's) says why the run starts from step 0. A fresh
+    run's folder was checked before any work (run_folder.check_out)."""
     state, saved_config = ckpt.states["train_state"], {}
 
     def same_model(path: Path, saved: dict) -> None:
@@ -245,7 +248,7 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
             )
 
     run_dir = ckpt.run_dir
-    ckpt.recover()  # a checkpoint a killed save left aside counts, for --resume and for the refusal below
+    ckpt.recover()  # a checkpoint a killed save left aside counts for --resume
     # Read on the CPU one tensor at a time, each copied into its live tensor (apply): no copy on the device.
     if cfg.resume and (path := ckpt.restore(torch.device("cpu"), same_model)):
         log(f"resumed from {path} at step {state.step}")
@@ -253,18 +256,8 @@ def start_or_resume(cfg: TrainConfig, ckpt: Checkpointer, device: torch.device, 
         reapply_settings(optimizers, cfg, ckpt.meta["model_config"]["dim"], ckpt.meta["model_config"]["tie_embeddings"])
         if changed := changed_settings(saved_config, cfg):
             log(f"resume: {changed} (the config's values apply)")
-    elif cfg.resume:
-        log(f"--resume: no checkpoint in {run_dir}, starting from scratch")
-    elif path := latest(run_dir):  # a fresh run would mix its checkpoints with the old ones
-        raise ConfigError(
-            f"{run_dir} already holds a run (newest checkpoint {path.name}): "
-            "add --resume to continue it, or choose another --out"
-        )
-    elif (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size:
-        raise ConfigError(
-            f"{run_dir} holds an earlier run's metrics.jsonl (and no checkpoint): "
-            "add --resume to start that run over, or choose another --out"
-        )
+    elif cfg.resume:  # run_folder.check_out said why, before the folder was made
+        log(fresh_note or f"--resume: nothing to resume, {run_dir} holds no checkpoint; starting the run from step 0")
     state.to(device)
 
 

@@ -13,11 +13,16 @@ from fastpt.errors import ArgumentParser, ConfigError, suggest
 from fastpt.presets import describe_presets
 
 # A run's config.toml keys that say where and how it ran this time, never what it is.
-NOT_RESUMED = ("out", "resume", "device", "plan", "plan_json")
+NOT_RESUMED = ("out", "resume", "resume_require", "threads", "device", "plan", "plan_json")
 
 
 def int_or_auto(text: str) -> int | str:
     return text if text == AUTO else int(text)
+
+
+def spelled_out(argv: list[str]) -> list[str]:
+    """argv with `--resume=require` as the two flags it means, --resume --resume-require."""
+    return [flag for arg in argv for flag in (["--resume", "--resume-require"] if arg == "--resume=require" else [arg])]
 
 
 def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
@@ -55,7 +60,7 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
         else:
             kind = int_or_auto if name == "micro_batch" else FIELD_TYPES[name]
             ap.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=name.upper())
-    args, unknown = ap.parse_known_args(argv)
+    args, unknown = ap.parse_known_args(spelled_out(sys.argv[1:] if argv is None else argv))
     if unknown:
         hint = suggest(unknown[0].split("=")[0], flags)
         raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")

@@ -68,7 +68,22 @@ class TrainConfig:
         choices=("llmc", "nanogpt"),
     )
     out: str = setting("runs/default", "run folder: config, metrics.jsonl, checkpoints, tokenizer")
-    resume: bool = setting(False, "continue from the newest complete checkpoint in --out")
+    resume: bool = setting(
+        False,
+        "continue from the newest complete checkpoint in --out; without one it starts the run "
+        "(the same command after a preemption), saying why",
+    )
+    resume_require: bool = setting(
+        False,
+        "with --resume: stop (exit 2) rather than start over when --out holds no checkpoint (for scripts); "
+        "--resume=require is both flags",
+    )
+    threads: int = setting(
+        0,
+        "CPU threads for torch's operators; 0 = the cores not busy now (the cores this process may use "
+        "minus the 1-minute load average, shared by torchrun's local ranks), at least 1",
+        domain=NON_NEGATIVE,
+    )
     init_from: str = setting(
         "",
         "a Hugging Face Llama folder to start from (continued pretraining): its shape "
@@ -322,6 +337,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.plan_gpu:  # a train run checks it too: config.toml keeps only values that plan
         gpus.card(cfg.plan_gpu)
+    if cfg.resume_require and not cfg.resume:
+        raise ConfigError("'resume_require' needs --resume (it says what --resume does without a checkpoint)")
     if not cfg.out.strip():  # an unset shell variable: the run would fill the current folder
         raise ConfigError("'out' is empty: give the run folder (--out DIR)")
     if cfg.parallel == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:

@@ -53,6 +53,34 @@ class Dist:
 ONE_PROCESS = Dist()  # a plain run's: nothing to reduce or sync
 
 
+def cpu_threads(requested: int) -> int:
+    """torch's CPU threads for this process: `requested`, or for 0 the cores not busy now (the whole
+    cores the 1-minute load average keeps busy taken away), shared by torchrun's local ranks. torch's
+    own default (every core) oversubscribes a busy machine: the README's first run took 3x longer
+    with it than with one thread on a 2-core machine at load 2; on the same machine at load 0.7 two
+    threads were 1.45x faster than one, so a partly busy core still counts as free. An
+    OMP_NUM_THREADS in the environment is a choice already made: torch's count, which follows it."""
+    if requested:
+        return requested
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    from fastpt.prepare import all_cores  # the cores this process may run on (its affinity)
+
+    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, (all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def one_process_warning(parallel: str, d: Dist) -> str:
+    """The line a run that asked for --parallel fsdp but runs as one process gets (no torchrun, or
+    torchrun with one: it trains unsharded, which a user may not expect), else ''."""
+    if parallel != "fsdp" or d.enabled:
+        return ""
+    return (
+        "fastpt: warning: --parallel fsdp shards over torchrun's processes (torchrun --nproc-per-node N, N >= 2); "
+        "this run is one process, unsharded"
+    )
+
+
 def setup(device_type: str) -> Dist:
     """Join the torchrun process group (nccl on CUDA, gloo on CPU); a plain run is world size 1."""
     if device_type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores

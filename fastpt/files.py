@@ -164,16 +164,36 @@ def lock(path: Path, what: str) -> IO[str]:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        owner = f.read().strip() or "another process"
+        error = in_use(path, what, f.read())
         f.close()
-        raise ConfigError(
-            f"{path.parent} is in use by another {what} ({owner}); wait for it to end or choose another --out"
-        ) from None
+        raise error from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+def in_use(path: Path, what: str, owner: str) -> ConfigError:
+    """The refusal of a folder whose lock file `path` another process holds (`owner`: what it wrote there)."""
+    return ConfigError(
+        f"{path.parent} is in use by another {what} ({owner.strip() or 'another process'}); "
+        "wait for it to end or choose another --out"
+    )
+
+
+def check_unlocked(path: Path, what: str) -> None:
+    """Refuse now, as `lock` will, when another process holds the lock file `path`: a check before
+    work that the lock, taken later, makes sure of."""
+    try:
+        f = open(path)
+    except OSError:  # no lock file, no owner; one that cannot be read is lock's to report
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)  # released when f closes
+        except BlockingIOError:
+            raise in_use(path, what, f.read()) from None
 
 
 @contextlib.contextmanager

@@ -226,6 +226,18 @@ def is_hf_dir(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()
 
 
+def not_hf_dir(path: str | Path) -> ConfigError:
+    """The error for an --init-from that is no Hugging Face model folder; a fastpt run folder (its
+    config.toml) is named as one, with what the user likely meant."""
+    if (Path(path) / "config.toml").is_file():
+        return ConfigError(
+            f"{path} is a fastpt run folder, not a Hugging Face model folder: continue it with "
+            f"--resume --out {path}, or start from its weights after python -m fastpt.export {path} --out DIR "
+            "(then --init-from DIR)"
+        )
+    return ConfigError(f"{path}: not a Hugging Face model folder (no config.json)")
+
+
 def hf_tokenizer_path(hf_dir: str | Path) -> Path | None:
     """The folder's tokenizer.json (what fastpt's tokenizer loader reads), None when it has none."""
     path = Path(hf_dir) / "tokenizer.json"
@@ -270,7 +282,7 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if hf_dir.is_file():
         raise ConfigError(f"{hf_dir} is a file: give the Hugging Face model folder that holds it")
     if not is_hf_dir(hf_dir):
-        raise ConfigError(f"{hf_dir}: not a Hugging Face model folder (no config.json)")
+        raise not_hf_dir(hf_dir)
     cfg = from_hf_config(read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
     return cfg, from_hf_state_dict(read_safetensors(hf_dir), cfg, str(hf_dir))
 

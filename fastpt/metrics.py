@@ -317,7 +317,7 @@ def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[
         f"run {cfg.out} | device {device_name(device)} x {dash.world_size} | "
         + (f"init from {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset}")
         + f" | params {params:,} | dtype {cfg.dtype} | compile {cfg.compile}{speed_choices(cfg)} | "
-        f"kernels {cfg.kernels} | MFU "
+        f"kernels {cfg.kernels} | threads {cfg.threads} | MFU "
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"),
         f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
         f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "

@@ -225,13 +225,19 @@ def prepare(
     shard_tokens: int = SHARD_TOKENS,
     tokenizer_sample_mb: float = TOKENIZER_SAMPLE_MB,
     overwrite: bool = False,
+    skip_binary: bool = False,
 ) -> dict:
     """Tokenize `inputs` (files, folders, globs; plus a Hub dataset) into train/val shards in `out`,
-    with tokenizer.json and meta.json; written into a locked temporary folder, renamed when complete."""
+    with tokenizer.json and meta.json; written into a locked temporary folder, renamed when complete.
+    skip_binary: a folder's files that are not text are left out, named in one line."""
     out = Path(os.path.abspath(out))  # `--out .` or `x/..` have a name to put the temporary folder beside
     check_options(tokenizer, vocab_size, val_fraction, workers, shard_tokens, tokenizer_sample_mb)
     files.check_out(out, DATASET_FILES, "meta.json", "fastpt.prepare", overwrite)
-    sources = find_sources(inputs, hf_dataset, skip=out)
+    skipped: list[Path] | None = [] if skip_binary else None
+    sources = find_sources(inputs, hf_dataset, skip=out, skipped=skipped)
+    if skipped:
+        names = ", ".join(map(str, skipped[:3])) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        print(f"--skip-binary: left out {len(skipped)} file(s) that are not text: {names}", flush=True)
     workers = workers or all_cores()
     start = time.perf_counter()
     with files.staged(out, "fastpt.prepare") as tmp:
@@ -349,6 +355,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--workers", type=int, default=0, help="tokenizer processes; 0 = all cores (default: %(default)s)")
     ap.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard (default: %(default)s)")
+    ap.add_argument(
+        "--skip-binary",
+        action="store_true",
+        help="leave out the files in input folders that are not text (images, executables), naming them; "
+        "without it such a file is refused (default: %(default)s)",
+    )
     return ap.parse_args(argv)
 
 
@@ -367,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         shard_tokens=args.shard_tokens,
         tokenizer_sample_mb=args.tokenizer_sample,
         overwrite=args.overwrite,
+        skip_binary=args.skip_binary,
     )
     seconds = max(meta["seconds"]["tokenize"], 1e-3)
     print(

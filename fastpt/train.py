@@ -10,6 +10,7 @@ checkpointed state (checkpointer.build_checkpointer), the run folder (metrics.wr
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 from contextlib import ExitStack, closing
@@ -29,6 +30,7 @@ from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_f
 from fastpt.optim import apply_schedule
 from fastpt.plan import fit
 from fastpt.profiling import StepProbe
+from fastpt.run_folder import check_out
 from fastpt.selfcheck import kernel_backend
 from fastpt.step import Net, TrainState, build_model, train_step
 
@@ -82,9 +84,10 @@ def introduce(cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, step: int
 # ---- the loop
 
 
-def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen: str = "") -> int:
+def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen: str = "", fresh_note: str = "") -> int:
     """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop; `chosen`, what
-    --micro-batch auto chose, joins the summary); returns the process exit code."""
+    --micro-batch auto chose, joins the summary; `fresh_note`, why a --resume starts afresh); returns
+    the process exit code."""
     device = d.device(cfg.device)
     log = print_or_drop if d.is_main else (lambda *a, **k: None)
     with ExitStack() as cleanup:  # whatever ends the run, everything opened here is closed
@@ -97,7 +100,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         net = build_model(cfg, data.model_config, device, d, data.init_weights, backend)
         state = TrainState()
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
-        start_or_resume(cfg, ckpt, device, log)
+        start_or_resume(cfg, ckpt, device, log, fresh_note)
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
         write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
@@ -158,13 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(cli)
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
+    fresh_note = check_out(cfg)  # before any preparing, planning or compiling
+    cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))
+    torch.set_num_threads(cfg.threads)
     cfg, chosen = fit.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
     d = distributed.setup(cfg.device)
+    if d.is_main and (warning := distributed.one_process_warning(cfg.parallel, d)):
+        print_or_drop(warning, file=sys.stderr)
     try:
         # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank
         # must not kill it before it has said which rank died.
         with Preemption() as preemption, distributed.report_lost_ranks(d):
-            return train(cfg, d, preemption, chosen)
+            return train(cfg, d, preemption, chosen, fresh_note)
     finally:
         distributed.teardown(d)
 

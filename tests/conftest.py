@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # One thread, as run_train's processes (OMP_NUM_THREADS=1): a run here and one in a subprocess
 # compute bit-identically (a resume in this process of a run killed in another), and the machine
-# has two cores.
+# has two cores. The variable too: fastpt.train's default --threads keeps a thread count it sets.
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 

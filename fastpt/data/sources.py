@@ -121,6 +121,10 @@ def _is_saved_dataset(folder: Path) -> bool:
     return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
+class NotText(DataError):
+    """A file given as text that is binary (a folder's image, an executable)."""
+
+
 def _check_text(path: Path) -> None:
     """Refuse a binary file given as text, and an unreadable one, before any work starts."""
     try:
@@ -132,7 +136,7 @@ def _check_text(path: Path) -> None:
         raise DataError(f"{path}: cannot read ({e})") from None
     what = next((name for magic, name in BINARY_MAGIC.items() if head.startswith(magic)), None)
     if what or b"\0" in head:
-        raise DataError(
+        raise NotText(
             f"{path}: not text ({what or 'NUL bytes: binary, or not UTF-8'}); fastpt.prepare reads "
             "text, .jsonl/.json (.gz/.zst), .parquet and Hugging Face datasets"
         )
@@ -147,9 +151,10 @@ def _source(path: Path) -> Source:
     return Source(str(path), kind)
 
 
-def _walk(folder: Path, skip: Path | None) -> Iterator[Source]:
+def _walk(folder: Path, skip: Path | None, skipped: list[Path] | None) -> Iterator[Source]:
     """Every file below a folder, sorted; hidden files and folders and the folder `skip` are
-    skipped, and a saved Hugging Face dataset inside it is one source."""
+    skipped, and a saved Hugging Face dataset inside it is one source. A file that is not text is
+    appended to `skipped` when it is a list (--skip-binary), else refused, naming the way to skip it."""
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not _inside(Path(root, d), skip))
         for d in [d for d in dirs if _is_saved_dataset(Path(root, d))]:
@@ -157,16 +162,28 @@ def _walk(folder: Path, skip: Path | None) -> Iterator[Source]:
             yield Source(str(Path(root, d)), "saved")
         for f in sorted(files):
             if not f.startswith("."):
-                yield _source(Path(root, f))
+                try:
+                    yield _source(Path(root, f))
+                except NotText as e:
+                    if skipped is None:
+                        hint = "or add --skip-binary to leave out a folder's files that are not text"
+                        raise NotText(f"{e}; {hint}") from None
+                    skipped.append(Path(root, f))
 
 
 def _inside(path: Path, folder: Path | None) -> bool:
     return folder is not None and Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
 
 
-def find_sources(inputs: list[str | Path], hf_dataset: str | None = None, skip: Path | None = None) -> list[Source]:
+def find_sources(
+    inputs: list[str | Path],
+    hf_dataset: str | None = None,
+    skip: Path | None = None,
+    skipped: list[Path] | None = None,
+) -> list[Source]:
     """Files, folders and globs (in the order given; a folder's files sorted), plus a Hub dataset.
-    Nothing inside `skip` (the output folder: an earlier dataset there is not text) is taken."""
+    Nothing inside `skip` (the output folder: an earlier dataset there is not text) is taken; a
+    folder's files that are not text go to `skipped` when it is a list (see _walk)."""
     sources: list[Source] = []
     for item in map(str, inputs):
         paths = [Path(item)] if os.path.lexists(item) else [Path(m) for m in sorted(glob.glob(item, recursive=True))]
@@ -176,7 +193,7 @@ def find_sources(inputs: list[str | Path], hf_dataset: str | None = None, skip: 
             if _inside(p, skip):
                 continue
             if p.is_dir():
-                sources += [Source(str(p), "saved")] if _is_saved_dataset(p) else list(_walk(p, skip))
+                sources += [Source(str(p), "saved")] if _is_saved_dataset(p) else list(_walk(p, skip, skipped))
             elif p.exists():
                 sources.append(_source(p))
             else:

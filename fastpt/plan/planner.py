@@ -41,8 +41,7 @@ from fastpt.checkpoint import resumed_model
 from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, check_runtime, resolve
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
-from fastpt.errors import ConfigError
-from fastpt.hf import from_hf_config, is_hf_dir, read_json
+from fastpt.hf import from_hf_config, is_hf_dir, not_hf_dir, read_json
 from fastpt.plan import report, timing, torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
 from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, cublas_workspaces, scratch_table, speed_of
@@ -80,7 +79,7 @@ def planned_model(cfg: TrainConfig) -> ModelConfig:
     base = resumed_model(cfg.out, cfg.resume) if cfg.init_from else None  # the init folder may be gone
     if cfg.init_from and base is None:
         if not is_hf_dir(cfg.init_from):
-            raise ConfigError(f"{cfg.init_from}: not a Hugging Face model folder (no config.json)")
+            raise not_hf_dir(cfg.init_from)
         path = Path(cfg.init_from) / "config.json"
         base = from_hf_config(read_json(path), str(path))
     sources = data_sources(cfg.data)
