@@ -23,6 +23,10 @@ RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to t
     "untied": ["--no-tie-embeddings"],
     "bos": ["--packing", "bos"],
     "modern": ["--recipe", "modern"],
+    "relu2": ["--mlp", "relu2"],
+    "softcap": ["--logit-softcap", "15"],
+    "unet": ["--unet-skips"],
+    **{f"modern-{name}": ["--recipe", f"modern-{name}"] for name in ("relu2", "softcap", "unet")},
 }
 # a recipe the sweep skips runs at the best multiplier of its base (the seed's by default)
 BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon"}

@@ -97,6 +97,21 @@ class TrainConfig:
     qk_norm: bool | None = shape(
         "RMSNorm over each head's queries and keys before RoPE (as Qwen3; exports as Qwen3ForCausalLM)", recipe=True
     )
+    mlp: str | None = shape(
+        "the MLP: swiglu, or relu2: relu(x W1)^2 W2, 3/2 of ffn_dim wide to match SwiGLU's parameters "
+        "(modded-nanogpt, nanochat; no Hugging Face export)",
+        recipe=True,
+    )
+    logit_softcap: float | None = shape(
+        "cap the LM head's logits at +-this by cap * tanh(logits / cap) (Gemma 2, nanochat); 0 = off "
+        "(no Hugging Face export)",
+        recipe=True,
+    )
+    unet_skips: bool | None = shape(
+        "U-net skips: block i's input joins block n_layers-1-i's output through a learned scalar "
+        "(modded-nanogpt; no Hugging Face export)",
+        recipe=True,
+    )
     zero_init: bool = setting(
         False, "start the output projections (attention wo, MLP down) at zero (modded-nanogpt, nanochat)", recipe=True
     )

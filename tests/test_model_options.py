@@ -1,0 +1,121 @@
+"""The round-4 model options (--mlp relu2, --logit-softcap, --unet-skips): what each computes, its
+parameters, compile without breaks or recompiles, resume, the plan's cost, and export's refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import assert_one_line_error, run_main, tiny_args
+from fastpt import checkpoint, export, hf, train
+from fastpt.cli import parse_args
+from fastpt.config import PRESETS
+from fastpt.errors import ConfigError
+from fastpt.model import Transformer
+from fastpt.plan import planner
+
+CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
+OPTIONS = {"mlp": "relu2", "logit_softcap": 15.0, "unet_skips": True}
+FLAGS = ("--mlp", "relu2", "--logit-softcap", "15", "--unet-skips")
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CFG.vocab_size, (2, 17), generator=g)
+    return tokens[:, :-1], tokens[:, 1:].clone()  # (B, T) each; labels of their own, to mask
+
+
+def test_relu2_has_swiglus_parameters_in_two_matrices_and_squares_a_relu():
+    cfg = dataclasses.replace(CFG, mlp="relu2")
+    model = Transformer(cfg)
+    assert cfg.num_params() == model.num_params() == CFG.num_params()  # matched at the same ffn_dim
+    mlp = model.layers[0].feed_forward
+    assert [n for n, _ in mlp.named_parameters()] == ["w1.weight", "w2.weight"] and mlp.w1.weight.shape == (96, 32)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(mlp(x), mlp.w2(torch.relu(mlp.w1(x)) ** 2))
+    assert model(batch()[0]).logits.shape == (2, 16, 97)
+
+
+def test_softcap_bounds_the_logits_and_the_loss_is_the_capped_logits_cross_entropy():
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(CFG, logit_softcap=2.0), z_loss=1e-2)
+    with torch.no_grad():
+        model.output_weight.mul_(50.0)  # raw logits far beyond the cap
+    x, y = batch()
+    y[0, :3] = -100  # not counted
+    logits = model(x).logits  # (B, T, V)
+    assert logits.abs().max() <= 2.0 and logits.abs().max() > 1.9
+    out = model(x, labels=y)
+    lse = torch.logsumexp(logits, -1)[y != -100]
+    torch.testing.assert_close(out.cross_entropy, F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+    torch.testing.assert_close(out.z_loss, 1e-2 * lse.square().mean())
+    per_target = model(x, labels=y, reduction="none")
+    assert per_target.loss.shape == (32,) and per_target.loss[:3].eq(0).all()
+    torch.testing.assert_close(per_target.loss.sum() / 29, out.loss)
+
+
+def test_unet_skips_add_a_scalar_per_pair_and_at_zero_leave_the_plain_model():
+    plain, skipped = Transformer(CFG), Transformer(dataclasses.replace(CFG, unet_skips=True))
+    assert skipped.num_params() == plain.num_params() + CFG.n_layers // 2 == skipped.cfg.num_params()
+    assert skipped.skip_weights.tolist() == [1.0]  # 3 blocks: block 0's input joins block 2's output
+    skipped.load_state_dict(plain.state_dict(), strict=False)
+    x = batch()[0]
+    assert not torch.allclose(skipped(x).logits, plain(x).logits)
+    with torch.no_grad():
+        skipped.skip_weights.zero_()
+    torch.testing.assert_close(skipped(x).logits, plain(x).logits)
+
+
+@pytest.mark.parametrize("key", OPTIONS)
+def test_each_option_is_refused_by_export_with_one_line_naming_it(key):
+    with pytest.raises(ConfigError, match=f"'{key}' = .*no Hugging Face architecture"):
+        hf.to_hf_config(dataclasses.replace(CFG, **{key: OPTIONS[key]}), torch.float32, 0, 0)
+
+
+@pytest.mark.parametrize(("key", "value"), [("mlp", "gelu"), ("logit_softcap", -1.0), ("logit_softcap", float("inf"))])
+def test_a_bad_option_value_is_one_line_naming_it(key, value):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        dataclasses.replace(CFG, **{key: value}).check()
+
+
+def test_the_plan_prices_the_soft_caps_materialized_logits():
+    """The fused loss never holds the (B*T, V) logits; the soft-capped one does, so its planned peak is higher."""
+    small = ("--preset", "tiny", "--vocab-size", "4096", "--micro-batch", "8", "--seq-len", "128", "--device", "cpu")
+
+    def peak(*flags: str) -> int:
+        cfg, target = planner.planned_config(*parse_args([*small, "--dtype", "fp32", *flags]))
+        return planner.trace(cfg, target, 1).peak.bytes
+
+    assert peak("--logit-softcap", "15") - peak() >= 8 * 128 * 4096 * 4  # at least one fp32 copy of the logits
+
+
+@pytest.mark.slow
+def test_every_option_compiles_in_one_graph_without_recompiles():
+    """torch.compile(fullgraph=True) of a model with all three, forward and backward on new batches."""
+    import torch._dynamo
+
+    model = Transformer(dataclasses.replace(CFG, **OPTIONS), z_loss=1e-4)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            x, y = batch(seed)
+            loss = compiled(x, labels=y).loss
+            loss.backward()
+            torch.testing.assert_close(loss, model(x, labels=y).loss, atol=1e-5, rtol=1e-5)
+
+
+def test_a_run_with_every_option_resumes_and_refuses_export(tiny_data, tmp_path, capsys):
+    args = tiny_args(tiny_data, tmp_path / "run", *FLAGS, max_steps=2, eval_every=2, eval_tokens=64)
+    code, _, err = run_main(train.main, args, capsys)
+    assert code == 0, err
+    code, out, err = run_main(train.main, [*args, "--resume", "--max-steps", "3"], capsys)
+    assert code == 0 and "resumed from" in out, err
+    model, _ = checkpoint.load_model(tmp_path / "run" / "ckpt_00000003.pt", torch.device("cpu"))
+    assert {k: getattr(model.cfg, k) for k in OPTIONS} == OPTIONS and model.skip_weights is not None
+    code, _, err = run_main(export.main, [str(tmp_path / "run"), "--out", str(tmp_path / "hf")], capsys)
+    assert_one_line_error(code, err, "'mlp' = 'relu2'", "no Hugging Face architecture")
+    assert not (tmp_path / "hf").exists()
