@@ -1,21 +1,24 @@
-"""The round-4 model options (--mlp relu2, --logit-softcap, --unet-skips): what each computes, its
-parameters, compile without breaks or recompiles, resume, the plan's cost, and export's refusal."""
+"""The round-4 options (--mlp relu2, --logit-softcap, --unet-skips, --batch-warmup-steps): what each
+computes, its parameters, compile without breaks or recompiles, resume, the plan's cost, and
+export's refusal."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_one_line_error, run_main, tiny_args
+from conftest import assert_one_line_error, eager_and_compiled, run_main, tiny_args, train_refuses
 from fastpt import checkpoint, export, hf, train
 from fastpt.cli import parse_args
-from fastpt.config import PRESETS
+from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import ConfigError
 from fastpt.model import Transformer
 from fastpt.plan import planner
+from fastpt.step import accum_at
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
 OPTIONS = {"mlp": "relu2", "logit_softcap": 15.0, "unet_skips": True}
@@ -119,3 +122,41 @@ def test_a_run_with_every_option_resumes_and_refuses_export(tiny_data, tmp_path,
     code, _, err = run_main(export.main, [str(tmp_path / "run"), "--out", str(tmp_path / "hf")], capsys)
     assert_one_line_error(code, err, "'mlp' = 'relu2'", "no Hugging Face architecture")
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_batch_warmup_ramps_the_micro_batches_per_step_from_one_to_grad_accum():
+    cfg = TrainConfig(grad_accum=4, batch_warmup_steps=6)
+    assert [accum_at(cfg, s) for s in range(8)] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert {accum_at(TrainConfig(grad_accum=4), s) for s in range(3)} == {4}
+
+
+def test_a_batch_warmup_without_accumulation_is_one_line(tiny_data, tmp_path, capsys):
+    args = tiny_args(tiny_data, tmp_path, batch_warmup_steps=2, grad_accum=1)
+    train_refuses(capsys, args, "'batch_warmup_steps'", "'grad_accum', which is 1")
+
+
+def test_a_batch_warmup_run_counts_its_tokens_and_resumes_to_the_same_weights(tiny_data, tmp_path, capsys):
+    """6 steps, checkpointed at 3: resumed from there, the same final weights and tokens as uninterrupted."""
+    whole = tmp_path / "whole"
+    args = tiny_args(tiny_data, whole, max_steps=6, ckpt_every=3, micro_batch=2, grad_accum=4, batch_warmup_steps=4)
+    code, _, err = run_main(train.main, args, capsys)
+    assert code == 0, err
+    shutil.copytree(whole, tmp_path / "resumed")
+    (tmp_path / "resumed" / "ckpt_00000006.pt").unlink()
+    resumed_args = [*args, "--out", str(tmp_path / "resumed"), "--resume"]
+    code, out, err = run_main(train.main, resumed_args, capsys)
+    assert code == 0 and "resumed from" in out, err
+    ends = [checkpoint.load(tmp_path / run / "ckpt_00000006.pt", torch.device("cpu")) for run in ("whole", "resumed")]
+    assert ends[0]["train_state"]["tokens_seen"] == 2 * 32 * (1 + 1 + 2 + 3 + 4 + 4)  # accum 1, 1, 2, 3, 4, 4
+    assert ends[1]["train_state"]["tokens_seen"] == ends[0]["train_state"]["tokens_seen"]
+    for name, w in ends[0]["model"].items():
+        assert torch.equal(w, ends[1]["model"][name]), name
+
+
+@pytest.mark.slow
+def test_compiled_training_with_every_option_follows_eager_without_recompiles(tiny_data, tmp_path):
+    """The loop under --compile with all four: 0 recompiles while the batch ramps, the eager losses."""
+    ramp = dict(max_steps=4, log_every=1, micro_batch=2, grad_accum=2, batch_warmup_steps=2)
+    _, records, eager = eager_and_compiled(tiny_data, tmp_path, n_layers=3, **OPTIONS, **ramp)
+    assert [r["recompiles"] for r in records] == [0, 0, 0, 0]
+    assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
