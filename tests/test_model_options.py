@@ -160,3 +160,14 @@ def test_compiled_training_with_every_option_follows_eager_without_recompiles(ti
     _, records, eager = eager_and_compiled(tiny_data, tmp_path, n_layers=3, **OPTIONS, **ramp)
     assert [r["recompiles"] for r in records] == [0, 0, 0, 0]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
+
+
+def test_each_candidate_recipe_is_modern_with_its_option_and_races_alone_too():
+    from bench.race_flags import RECIPES as RACE
+    from fastpt.recipes import RECIPES
+
+    assert RECIPES["modern-relu2"] == {**RECIPES["modern"], "mlp": "relu2"}
+    assert RECIPES["modern-softcap"] == {**RECIPES["modern"], "logit_softcap": 15.0}
+    assert RECIPES["modern-unet"] == {**RECIPES["modern"], "unet_skips": True}
+    assert RACE["relu2"] == ["--mlp", "relu2"] and RACE["modern-unet"] == ["--recipe", "modern-unet"]
+    assert "--batch-warmup-steps" in RACE["batch-warmup"]
