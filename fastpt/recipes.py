@@ -7,9 +7,9 @@ untied embedding without weight decay, warmup-stable-decay to zero with the 1 - 
 seed's loss in 0.29x and 0.20x the tokens on two corpora and beats Muon alone on both.
 Zero-initialized output projections lost an earlier race and are left out. `modern-relu2`,
 `modern-softcap` and `modern-unet` are modern with one more option each (squared-ReLU MLP, logit
-soft-cap 15, U-net skips): candidates, not members. A first screen (default corpus, 3 seeds, one
+soft-cap 15, U-net skips): candidates, not members. A first screen (both corpora, 3 seeds, one
 budget; docs/recipes.md) found none better than modern: U-net and the soft-cap within the noise,
-squared ReLU worse by 0.05 nats."""
+squared ReLU worse by 0.03-0.05 nats."""
 
 from __future__ import annotations
 
