@@ -27,6 +27,12 @@ RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to t
     "untied": ["--no-tie-embeddings"],
     "bos": ["--packing", "bos"],
     "modern": ["--recipe", "modern"],
+    "relu2": ["--mlp", "relu2"],
+    "softcap": ["--logit-softcap", "15"],
+    "unet": ["--unet-skips"],
+    # the same 16 sequences a step, as 4 micro-batches of 4, of which the first steps take fewer
+    "batch-warmup": shlex.split("--micro-batch 4 --grad-accum 4 --batch-warmup-steps 50"),
+    **{f"modern-{name}": ["--recipe", f"modern-{name}"] for name in ("relu2", "softcap", "unet")},
 }
 # a recipe the sweep skips runs at the best multiplier of its base (the seed's by default)
 BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon"}

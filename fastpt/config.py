@@ -113,6 +113,21 @@ class TrainConfig:
     qk_norm: bool | None = shape(
         "RMSNorm over each head's queries and keys before RoPE (as Qwen3; exports as Qwen3ForCausalLM)", recipe=True
     )
+    mlp: str | None = shape(
+        "the MLP: swiglu, or relu2: relu(x W1)^2 W2, 3/2 of ffn_dim wide to match SwiGLU's parameters "
+        "(modded-nanogpt, nanochat; no Hugging Face export)",
+        recipe=True,
+    )
+    logit_softcap: float | None = shape(
+        "cap the LM head's logits at +-this by cap * tanh(logits / cap) (Gemma 2, nanochat); 0 = off "
+        "(no Hugging Face export)",
+        recipe=True,
+    )
+    unet_skips: bool | None = shape(
+        "U-net skips: block i's input joins block n_layers-1-i's output through a learned scalar "
+        "(modded-nanogpt; no Hugging Face export)",
+        recipe=True,
+    )
     zero_init: bool = setting(
         False, "start the output projections (attention wo, MLP down) at zero (modded-nanogpt, nanochat)", recipe=True
     )
@@ -125,6 +140,13 @@ class TrainConfig:
     lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
     min_lr_ratio: float = setting(0.1, "the schedule's floor as a fraction of the peak", domain=UNIT)
     warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
+    batch_warmup_steps: int = setting(
+        0,
+        "batch-size warm-up: micro-batches per step rise linearly from 1 to grad_accum over these first steps "
+        "(GPT-3's batch ramp); 0 = off",
+        domain=NON_NEGATIVE,
+        recipe=True,
+    )
     schedule: str = setting(
         "cosine",
         "LR after warmup: cosine to min_lr_ratio (the seed's); wsd: constant peak, "
@@ -326,6 +348,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"'{name}' must be {domain}{finite}, got {value!r}")
     if cfg.warmup_steps > cfg.max_steps:
         raise ConfigError(f"'warmup_steps' ({cfg.warmup_steps}) is larger than 'max_steps' ({cfg.max_steps})")
+    if cfg.batch_warmup_steps and cfg.grad_accum == 1:
+        raise ConfigError("'batch_warmup_steps' ramps the micro-batches per step up to 'grad_accum', which is 1")
     if cfg.compile_mode != "default" and not cfg.compile:
         raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} needs --compile")
     if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.grad_accum > 1:

@@ -51,6 +51,9 @@ QK_NORM_NAMES = {
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
 ARCHITECTURES = {False: ("llama", "LlamaForCausalLM"), True: ("qwen3", "Qwen3ForCausalLM")}  # by qk_norm
+# ModelConfig options Llama and Qwen3 cannot express, at their plain values. Gemma 2 has a logit
+# soft-cap, but also sandwich norms, (1 + w) RMSNorm scales, a scaled embedding and GeGLU: no fastpt model maps to it.
+NOT_EXPORTABLE = {"mlp": "swiglu", "logit_softcap": 0.0, "unet_skips": False}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Every file an export writes: an --out holding anything else is a user's folder, never replaced.
@@ -127,10 +130,21 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor], cfg: ModelConfig, sourc
     return state
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+    """One line naming the first option of cfg that no Hugging Face architecture computes."""
+    for key, plain in NOT_EXPORTABLE.items():
+        if getattr(cfg, key) != plain:
+            raise ConfigError(
+                f"'{key}' = {getattr(cfg, key)!r}: no Hugging Face architecture computes this model "
+                f"(Llama and Qwen3 need {key} = {plain!r}); it stays a fastpt checkpoint"
+            )
+
+
 def to_hf_config(cfg: ModelConfig, dtype: torch.dtype, bos_id: int | None, eos_id: int | None) -> dict:
     """LlamaForCausalLM's config.json for cfg (Qwen3ForCausalLM's with QK-norm: full attention in
     every layer, no sliding window), in the long-standing layout (top-level rope_theta, torch_dtype)
     that transformers 4.x and 5.x, vLLM and lm-evaluation-harness all read."""
+    check_exportable(cfg)
     model_type, architecture = ARCHITECTURES[cfg.qk_norm]
     qwen3 = {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
     return {

@@ -1,5 +1,6 @@
 """Llama-style decoder: RMSNorm, RoPE, causal SDPA attention (optional GQA; optionally within documents,
-see attention.py), SwiGLU, tied or untied head."""
+see attention.py), SwiGLU (or squared ReLU), tied or untied head; optionally soft-capped logits and
+U-net skips between blocks."""
 
 from __future__ import annotations
 
@@ -120,6 +121,44 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class ReluSquaredFeedForward(nn.Module):
+    """relu(x W1)^2 W2 (Primer, So et al. 2021; modded-nanogpt, nanochat): two matrices, so 3/2 of
+    ffn_dim wide has SwiGLU's parameters (cfg.mlp_hidden)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.mlp_hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.mlp_hidden, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.relu(self.w1(x)).square())
+
+
+MLPS = {"swiglu": FeedForward, "relu2": ReluSquaredFeedForward}
+
+
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) in fp32 (Gemma 2's final_logit_softcapping); the logits as they are for cap 0."""
+    return cap * torch.tanh(logits.float() / cap) if cap else logits
+
+
+def capped_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cap: float, z_loss: float, reduction: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and its z-loss part as kernels.linear_cross_entropy returns them, of the soft-capped
+    logits: the fused kernel cannot cap, so these logits are materialized. h (N, C), labels (N,)."""
+    logits = soft_cap(F.linear(h, weight), cap)  # (N, V) fp32
+    counted = labels != -100
+    lse = torch.logsumexp(logits, dim=-1)  # (N,)
+    picked = logits.gather(-1, labels.clamp(min=0)[:, None])[:, 0]  # (N,)
+    ce = torch.where(counted, lse - picked, 0.0)
+    z = torch.where(counted, z_loss * lse.square(), 0.0)
+    if reduction == "none":
+        return ce + z, z.detach()
+    n = counted.sum().clamp(min=1)
+    return (ce + z).sum() / n, z.detach().sum() / n
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: str, checkpointed: bool = False):
         super().__init__()
@@ -127,7 +166,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.attention = Attention(cfg, backend)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MLPS[cfg.mlp](cfg)
 
     def forward(self, x, cos, sin, cache=None, mask=None):
         if self.checkpointed and self.training and cache is None:
@@ -178,6 +217,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, backend, checkpointed(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # U-net: one scalar per skip from block i's input to block L-1-i's output, starting at 1 (the 1-D init)
+        self.skip_weights = nn.Parameter(torch.ones(cfg.n_layers // 2)) if cfg.unet_skips else None
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -221,12 +262,25 @@ class Transformer(nn.Module):
         # Built once for all layers; decoding with a KV cache attends causally (one document: the prompt's).
         mask = document_mask(idx, self.cfg.doc_token) if self.cfg.attention == "document" and kv_cache is None else None
         new_cache: KVCache = []
+        skips: list[torch.Tensor] = []  # U-net: the first half's block inputs, (B, T, C) each
+        n_skips = 0 if self.skip_weights is None else self.skip_weights.numel()
         for i, layer in enumerate(self.layers):
+            if i < n_skips:
+                skips.append(h)
             # An empty list starts a cache (the prompt's prefill); None means no cache at all.
             layer_cache = None if kv_cache is None else (kv_cache[i] if kv_cache else ())
             h, layer_cache = layer(h, cos, sin, layer_cache, mask)
             new_cache.append(layer_cache)
+            if i >= len(self.layers) - n_skips:  # block L-1-j takes block j's input, the last first
+                h = h + self.skip_weights[len(self.layers) - 1 - i] * skips.pop()
         h = self.norm(h)  # (B, T, C)
+        if labels is not None and self.cfg.logit_softcap:
+            flat_labels = labels.flatten()
+            cap = self.cfg.logit_softcap
+            loss, z_loss = capped_cross_entropy(
+                h.flatten(0, 1), self.output_weight, flat_labels, cap, self.z_loss, reduction
+            )
+            return LossOutput(None, loss, z_loss)
         if labels is not None:
             # The fused kernel never materializes the (B*T, V) logits.
             loss = kernels.linear_cross_entropy(
@@ -240,7 +294,7 @@ class Transformer(nn.Module):
             )
             loss, z_loss = loss if self.z_loss else (loss, loss.detach().new_zeros(()))
             return LossOutput(None, loss, z_loss)
-        logits = F.linear(h, self.output_weight)  # (B, T, V)
+        logits = soft_cap(F.linear(h, self.output_weight), self.cfg.logit_softcap)  # (B, T, V)
         return LogitsOutput(logits, None, new_cache if kv_cache is not None else None)
 
     def num_params(self) -> int:

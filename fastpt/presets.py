@@ -13,6 +13,7 @@ from fastpt.errors import ConfigError
 MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
 MAX_SEQ_LEN = 2**20
 ATTENTIONS = ("causal", "document")
+MLPS = ("swiglu", "relu2")
 
 
 @dataclass
@@ -30,6 +31,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3's q_norm / k_norm)
+    # relu2: relu(x W1)^2 W2 (modded-nanogpt, nanochat), 3/2 of ffn_dim wide: SwiGLU's parameters at ffn_dim
+    mlp: str = "swiglu"
+    logit_softcap: float = 0.0  # > 0: the LM head's logits are cap * tanh(logits / cap) (Gemma 2, nanochat)
+    unet_skips: bool = False  # block i's input joins block L-1-i's output, by a learned scalar (modded-nanogpt)
     # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
     # document, which doc_token (the data's meta.json eot_id) starts. Export is a causal Llama either way.
     attention: str = "causal"
@@ -43,13 +48,20 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: ffn_dim for SwiGLU's three matrices, 3/2 of it for relu2's two."""
+        return self.ffn_dim if self.mlp == "swiglu" else 3 * self.ffn_dim // 2
+
     def num_params(self) -> int:
         """Parameters of the model this config builds (the tied head counted once)."""
         d, hd = self.dim, self.head_dim
         attention = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2  # wq, wo; wk, wv
-        block = attention + 3 * d * self.ffn_dim + 2 * d + (2 * hd if self.qk_norm else 0)  # + SwiGLU, norms
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.mlp_hidden
+        block = attention + mlp + 2 * d + (2 * hd if self.qk_norm else 0)  # + norms
         head = 0 if self.tie_embeddings else self.vocab_size * d
-        return self.vocab_size * d + self.n_layers * block + d + head
+        skips = self.n_layers // 2 if self.unet_skips else 0
+        return self.vocab_size * d + self.n_layers * block + d + head + skips
 
     @classmethod
     def from_dict(cls, saved: dict) -> ModelConfig:
@@ -82,6 +94,10 @@ class ModelConfig:
             raise ConfigError(f"'rope_theta' must be a finite number > 0, got {self.rope_theta}")
         if self.max_seq_len > MAX_SEQ_LEN:
             raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
+        if self.mlp not in MLPS:
+            raise ConfigError(f"'mlp' = {self.mlp!r} is not one of {', '.join(map(repr, MLPS))}")
+        if not (0 <= self.logit_softcap < math.inf):
+            raise ConfigError(f"'logit_softcap' must be a finite number >= 0 (0 = off), got {self.logit_softcap}")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"'attention' = {self.attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
         if self.attention == "document" and not (

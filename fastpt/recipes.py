@@ -5,7 +5,11 @@ defaults, the preset's batch and the CPU profile, below a TOML file and explicit
 untied embedding without weight decay, warmup-stable-decay to zero with the 1 - sqrt cooldown
 (Hägele et al. 2024), and QK-norm (Qwen3, OLMo 2). In the race (docs/recipes.md) it reaches the
 seed's loss in 0.29x and 0.20x the tokens on two corpora and beats Muon alone on both.
-Zero-initialized output projections lost an earlier race and are left out."""
+Zero-initialized output projections lost an earlier race and are left out. `modern-relu2`,
+`modern-softcap` and `modern-unet` are modern with one more option each (squared-ReLU MLP, logit
+soft-cap 15, U-net skips): candidates, not members. A first screen (both corpora, 3 seeds, one
+budget; docs/recipes.md) found none better than modern: U-net and the soft-cap within the noise,
+squared ReLU worse by 0.03-0.05 nats."""
 
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ RECIPES: dict[str, dict[str, Any]] = {
         "decay_rule": "strict",
     },
 }
+# modern plus one candidate each: what `bench race` screens (nanochat's and modded-nanogpt's cap of 15)
+CANDIDATES = {"relu2": {"mlp": "relu2"}, "softcap": {"logit_softcap": 15.0}, "unet": {"unet_skips": True}}
+RECIPES.update({f"modern-{name}": {**RECIPES["modern"], **values} for name, values in CANDIDATES.items()})
 
 
 def describe(name: str) -> str:

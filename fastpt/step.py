@@ -38,10 +38,22 @@ class StepResult:
     applied: bool  # False only for an update skipped as non-finite
 
 
+def accum_at(cfg: TrainConfig, step: int) -> int:
+    """Micro-batches in the step after `step` steps: grad_accum, or during --batch-warmup-steps a
+    linear ramp from 1. The micro-batch's shape never changes: a compiled model does not recompile."""
+    if step >= cfg.batch_warmup_steps:
+        return cfg.grad_accum
+    return 1 + (cfg.grad_accum - 1) * step // cfg.batch_warmup_steps
+
+
 def train_step(
-    net: Net, loader: TrainLoader, cfg: TrainConfig, d: distributed.Dist = distributed.ONE_PROCESS
+    net: Net,
+    loader: TrainLoader,
+    cfg: TrainConfig,
+    d: distributed.Dist = distributed.ONE_PROCESS,
+    accum: int | None = None,
 ) -> StepResult:
-    """One optimizer step: grad_accum micro-batches, each loss / grad_accum so the accumulated
+    """One optimizer step: `accum` micro-batches (grad_accum by default), each loss / accum so the accumulated
     gradient averages like one large batch (DDP / FSDP sync only on the last; FSDP on every one with
     --fsdp-reshard-grads, keeping only sharded gradients), then unscale (fp16),
     clip the global norm and step every optimizer. Nothing waits for the host, unless
@@ -49,18 +61,19 @@ def train_step(
     model, scaler = net.model, net.scaler
     for opt in net.optimizers:
         opt.zero_grad(set_to_none=True)
+    accum = accum or cfg.grad_accum
     sums = torch.zeros(2, device=loader.device)  # cross-entropy, z-loss
-    for micro_step in range(cfg.grad_accum):
+    for micro_step in range(accum):
         batch = loader.next()
         distributed.set_grad_sync(
-            model, micro_step == cfg.grad_accum - 1 or (cfg.fsdp_reshard_grads and d.enabled and cfg.parallel == "fsdp")
+            model, micro_step == accum - 1 or (cfg.fsdp_reshard_grads and d.enabled and cfg.parallel == "fsdp")
         )
         torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse their buffers; else a no-op
         with net.autocast:
             out = model(batch.x, labels=batch.y)  # loss: (), the fused loss never builds the logits
-        scaler.scale(out.loss / cfg.grad_accum).backward()
+        scaler.scale(out.loss / accum).backward()
         # logged apart: the loss stays the cross-entropy, comparable across runs
-        sums += torch.stack((out.cross_entropy, out.z_loss)) / cfg.grad_accum
+        sums += torch.stack((out.cross_entropy, out.z_loss)) / accum
     loss, z_loss = distributed.all_reduce_mean(sums, d)  # every rank takes the same branches
     for opt in net.optimizers:
         scaler.unscale_(opt)

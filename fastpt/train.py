@@ -32,7 +32,7 @@ from fastpt.plan import fit
 from fastpt.profiling import StepProbe
 from fastpt.run_folder import check_out
 from fastpt.selfcheck import kernel_backend
-from fastpt.step import Net, TrainState, build_model, train_step
+from fastpt.step import Net, TrainState, accum_at, build_model, train_step
 
 
 def nonfinite_error(bad_step: int, run_dir: Path) -> str:
@@ -113,9 +113,10 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         preemption.armed = True
         while state.step < cfg.max_steps:
             lrs = apply_schedule(net.optimizers, cfg, state.step)  # each group's LR, Muon's momentum
+            accum = accum_at(cfg, state.step)  # --batch-warmup-steps: fewer micro-batches at first
             with probe.step(state.step + 1):  # --profile, recompiles
-                result = train_step(net, data.loader, cfg, d)
-            state.count(result, dash.tokens_per_step)  # from here on, state.step is this step's number
+                result = train_step(net, data.loader, cfg, d, accum)
+            state.count(result, dash.tokens_per_step * accum // cfg.grad_accum)  # state.step: this step's number
             if result.applied:
                 first_bad_step = torch.where(~result.finite & (first_bad_step < 0), state.step, first_bad_step)
             elif too_many_skips(state, cfg.max_skips, log):

@@ -385,3 +385,12 @@ def test_ddp_gradients_as_bucket_views_are_bit_identical(runs, tiny_data, tmp_pa
     assert curve(out) == curve(runs["ddp"])
     copied, viewed = (checkpoint.load(checkpoint.latest(run))["model"] for run in (out, runs["ddp"]))
     assert copied.keys() == viewed.keys() and all(torch.equal(copied[k], viewed[k]) for k in copied)
+
+
+def test_the_round4_options_follow_one_process_under_ddp_and_fsdp(tiny_data, tmp_path):
+    """Squared-ReLU MLP, soft-capped logits, U-net skips (a root parameter FSDP shards with the
+    embedding) and the batch warm-up (fewer no-sync micro-steps at first) in every layout."""
+    options = ("--mlp", "relu2", "--logit-softcap", "15", "--unet-skips", "--batch-warmup-steps", "2")
+    one = train(tiny_data, tmp_path / "one", 0, *options)
+    for layout in ("ddp", "fsdp"):
+        assert_same_curve(train(tiny_data, tmp_path / layout, 2, "--parallel", layout, *options), one)
