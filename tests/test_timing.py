@@ -70,17 +70,17 @@ def test_ring_collectives_move_their_bytes_over_the_link():
     assert timing.kernel_seconds(H100, cost, 1)[0] == 0.0
 
 
-def op(kind: str = "memory", nbytes: int = 0, cpu: float = timing.EAGER_OP_US, **kw) -> timing.Op:
+def op(kind: str = "memory", nbytes: int = 0, cpu: float = timing.EAGER_FORWARD_US, **kw) -> timing.Op:
     cost = Cost(kind, nbytes, comm="all-gather" if kind == "comm" else "", comm_bytes=nbytes if kind == "comm" else 0)
     return timing.Op(kw.pop("label", kind), kw.pop("phase", "forward"), 1, cost, cpu, **kw)
 
 
 def test_a_launch_bound_step_takes_its_cpu_side():
-    """1,000 tiny eager kernels: the GPU waits for the CPU, the step is 1,000 x EAGER_OP_US."""
+    """1,000 tiny eager kernels: the GPU waits for the CPU, the step is 1,000 x EAGER_FORWARD_US."""
     ops = [op(nbytes=1024) for _ in range(1000)]
     seconds = [timing.kernel_seconds(H100, o.cost, 1)[0] for o in ops]
     total, busy, cpu = timing.simulate(ops, seconds)
-    assert total == pytest.approx(1000 * timing.EAGER_OP_US * 1e-6, rel=1e-3) == cpu
+    assert total == pytest.approx(1000 * timing.EAGER_FORWARD_US * 1e-6, rel=1e-3) == cpu
     assert busy["forward"] < 0.5 * total
 
 
@@ -91,8 +91,8 @@ def test_communication_overlaps_compute_until_its_output_is_read():
     reader = op(nbytes=0, reads=(7,), label="reader")
     hidden, _, _ = timing.simulate([gather, compute], [1e-3, 1e-3])
     waited, _, _ = timing.simulate([gather, compute, reader], [1e-3, 1e-3, 1e-3])
-    assert hidden == pytest.approx(1e-3 + 2 * timing.EAGER_OP_US * 1e-6, rel=0.01)
-    assert waited == pytest.approx(2e-3 + timing.EAGER_OP_US * 1e-6, rel=0.01)
+    assert hidden == pytest.approx(1e-3 + 2 * timing.EAGER_FORWARD_US * 1e-6, rel=0.01)
+    assert waited == pytest.approx(2e-3 + timing.EAGER_FORWARD_US * 1e-6, rel=0.01)
 
 
 # ---- the traced step
@@ -222,15 +222,38 @@ def test_a_renters_card_is_known_by_its_cuda_name(cuda_name, key):
 
 
 def test_the_step_names_the_clock_that_bounds_it():
-    """The tiny step is launch-bound (the CPU side is most of it); 0.04b's large one is the GPU's."""
-    small = plan_of(*TINY, "--plan-gpu", "h100-80").step_time()
-    assert small.bound == "CPU" and small.cpu_seconds > 0.5 * small.seconds
+    """The tiny step at 4 x 64 is launch-bound: the CPU side is the step, the stream idles (`overhead`);
+    at 64 x 512 on an L4 the same kernels have 128x the work and the GPU bounds the step. The plan's
+    line and its JSON name the clock."""
+    small = plan_of(*TINY, "--plan-gpu", "h100-80")
+    large = plan_of(*TINY[:-4], "--micro-batch", "64", "--seq-len", "512", "--plan-gpu", "l4")
+    for plan, bound in ((small, "CPU"), (large, "GPU")):
+        step, record = plan.step_time(), planner.to_json(plan)
+        line = next(line for line in planner.describe(plan) if line.startswith("step on "))
+        assert step.bound == record["bound"] == bound and f"; {bound}-bound)" in line
+        assert record["cpu_ms"] == pytest.approx(step.cpu_seconds * 1e3)
+    host, gpu = small.step_time(), large.step_time()
+    assert host.seconds == pytest.approx(host.cpu_seconds, rel=0.05) and host.parts["overhead"] > 0.5 * host.seconds
+    assert gpu.cpu_seconds < 0.5 * gpu.seconds and gpu.parts["overhead"] < 0.05 * gpu.seconds
+
+
+def test_the_host_prices_eager_ops_by_where_they_run_and_each_compiled_graph_call():
+    """Eager: an op called from Python (forward, optimizer) costs EAGER_FORWARD_US, one the autograd
+    engine runs EAGER_BACKWARD_US, per launch. Compiled (the whole model one graph): each micro-step
+    calls its forward and its backward graph once, GRAPH_CALL_US each, on top of the kernels' launches."""
+    eager = plan_of(*TINY, "--plan-gpu", "h100-80").kernels.ops
+    for o in (o for o in eager if o.cost.kind not in ("free", "sync") and o.micro == 1):
+        per_launch = timing.EAGER_BACKWARD_US if o.phase == "backward" else timing.EAGER_FORWARD_US
+        assert o.cpu_us == pytest.approx(per_launch * o.cost.launches), o.label
+    compiled = plan_of(*TINY, "--compile", "--plan-gpu", "h100-80").kernels.ops
+    calls = [o for o in compiled if o.micro == 1 and o.phase != "optimizer" and o.cpu_us >= timing.GRAPH_CALL_US]
+    assert [o.phase for o in calls] == ["forward", "backward"]
 
 
 def published_runs() -> list[float]:
     """planned / reported of each row of docs/performance.md's published-run table."""
     text = (REPO / "docs" / "performance.md").read_text()
-    table = text[text.index("### Published runs") :].split("\n\n")[1]
+    table = next(block for block in text[text.index("### Published runs") :].split("\n\n") if block.startswith("|"))
     return [float(row.rsplit("|", 2)[1]) for row in table.splitlines()[2:]]
 
 

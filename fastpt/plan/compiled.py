@@ -189,6 +189,9 @@ def run_graph(gm: torch.fx.GraphModule, example_inputs, target: str = "cuda", is
     lowering = Lowering(gm, target, is_backward)
 
     def run(args: list):
+        trace = active_trace()
+        if trace is not None:
+            trace.graph_calls += 1
         return LoweredGraph(gm, lowering).boxed_run(args)
 
     run._boxed_call = True

@@ -164,12 +164,15 @@ class Speed:
 
 
 # H200: measured by this project on 2026-11-30 (693-707 TFLOP/s bf16 matmul, 4.22 TB/s copy); the
-# H100 SXM has the same GH100 compute and clocks, so its matmul share is the H200's.
+# H100 SXM has the same GH100 compute and clocks, so its matmul share is the H200's (S. Bekman's
+# published Maximum Achievable Matmul FLOPS finds the two the same). The A100's is that table's A100
+# SXM figure brought to the same measure: 86.9% x (0.708 / the H100-H200's 80.3%) = 0.766.
+A100_MATMUL = round(0.869 * 0.708 / 0.803, 3)
 SPEEDS = {
     "h100-80": Speed(989.4, 494.7, 66.9, 3350, 132, 450, "NVLink 4", 0.708, 0.85),
     "h200": Speed(989.4, 494.7, 66.9, 4800, 132, 450, "NVLink 4", 0.708, 0.879, "H200, 2026-11-30"),
-    "a100-40": Speed(312, 156, 19.5, 1555, 108, 300, "NVLink 3", 0.80, 0.85),
-    "a100-80": Speed(312, 156, 19.5, 2039, 108, 300, "NVLink 3", 0.80, 0.85),
+    "a100-40": Speed(312, 156, 19.5, 1555, 108, 300, "NVLink 3", A100_MATMUL, 0.85),
+    "a100-80": Speed(312, 156, 19.5, 2039, 108, 300, "NVLink 3", A100_MATMUL, 0.85),
     "l4": Speed(121, 60, 30.3, 300, 58, 32, "PCIe 4.0 x16", 0.75, 0.85),
     "4090": Speed(165.2, 82.6, 82.6, 1008, 128, 25, "PCIe 4.0 x16, no P2P", 0.75, 0.85),
     "h100-pcie": Speed(756.5, 378, 51.2, 2000, 114, 64, "PCIe 5.0 x16", 0.708, 0.85),

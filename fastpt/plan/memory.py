@@ -98,6 +98,7 @@ class MemoryTrace(TorchDispatchMode):
         self._phase, self._in_optimizer, self._hooks = "forward", False, ()
         self.fusing = False  # the current op's outputs live inside a fused kernel: no memory of their own
         self.paused = 0  # inside DTensor's shape propagation
+        self.graph_calls = 0  # compiled graphs run so far (plan.compiled), for plan.timing's host clock
 
     supports_higher_order_operators = True  # a compiled graph's run_and_save_rng_state runs an op inside
 

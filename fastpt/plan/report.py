@@ -94,6 +94,7 @@ def to_json(step: StepTime, max_steps: int, price: float = 0.0) -> dict:
         "mfu": step.mfu,
         "hfu": step.hfu,
         "bound": step.bound,
+        "cpu_ms": step.cpu_seconds * 1e3,
         "time_parts": {k: v * 1e3 for k, v in step.parts.items()},
         "launches": step.launches,
         "gpu_hours": gpu_hours(step, max_steps),

@@ -7,9 +7,11 @@ kernel reads the buffers it inlines and writes its output), plus its extern kern
 attention, fastpt's Triton ops). `step_time` prices each kernel on a card (gpus.Speed) and runs
 them on a timeline of three clocks, one per side of the machine:
 
-- CPU: each eager op costs EAGER_OP_US of dispatch (a view VIEW_OP_US), each compiled kernel
-  COMPILED_KERNEL_US of Inductor's launcher (CUDA_GRAPH_KERNEL_US under CUDA graphs); a kernel
-  starts no earlier than its launch, so a launch-bound step is as long as its CPU side;
+- CPU: an eager op costs EAGER_FORWARD_US from Python (the forward, the optimizer) or
+  EAGER_BACKWARD_US in the autograd engine (a view VIEW_OP_US), a compiled kernel COMPILED_KERNEL_US
+  of Inductor's launcher (CUDA_GRAPH_KERNEL_US under CUDA graphs) and each call of a compiled graph
+  GRAPH_CALL_US; a kernel starts no earlier than its launch, so a launch-bound step is as long as
+  its CPU side;
 - compute stream: matmuls at FLOPs / (peak x measured share x tile and wave quantization over the
   SMs x a K ramp), attention at FLOPs / (peak x ATTENTION_SHARE), everything else at bytes /
   (bandwidth x measured copy share); each launch adds KERNEL_US;
@@ -43,9 +45,12 @@ from fastpt.plan.flops import Cost, op_cost, tensors
 from fastpt.plan.gpus import Speed
 from fastpt.plan.memory import MemoryTrace, storages
 
-EAGER_OP_US = 8.0  # Python + autograd + dispatcher + cudaLaunchKernel per eager aten op
+# The host's time per launch, each from a published measurement (docs/performance.md, "The constants")
+EAGER_FORWARD_US = 9.0  # an aten op called from Python: argument parsing, dispatcher, autograd's node, the launch
+EAGER_BACKWARD_US = 5.0  # an op the autograd engine runs (C++): dispatcher and cudaLaunchKernel, no Python
 VIEW_OP_US = 2.0  # a view: dispatch, no kernel
-COMPILED_KERNEL_US = 4.0  # Inductor's wrapper launching one Triton or extern kernel
+COMPILED_KERNEL_US = 7.0  # Inductor's launcher (CachingAutotuner.run) for one Triton or extern kernel
+GRAPH_CALL_US = 30.0  # one call of a compiled graph: guards, AOTAutograd's and Inductor's wrappers
 CUDA_GRAPH_KERNEL_US = 0.5  # a kernel replayed inside a CUDA graph
 KERNEL_US = 2.0  # GPU time every launch takes on top of its work (launch latency, ramp, tail)
 ATTENTION_SHARE = {False: 0.60, True: 0.45}  # flash attention forward / backward, of a matmul's share
@@ -84,6 +89,7 @@ class KernelTrace(TorchDispatchMode):
         self.mem, self.cuda_graphs, self.ns_dtype = mem, cuda_graphs, ns_dtype
         self.ops: list[Op] = []
         self._step, self._micro, self._last, self._in_optimizer, self._hooks = -1, 1, "forward", False, ()
+        self._graph_calls = 0  # of mem.graph_calls, those already priced
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -132,18 +138,20 @@ class KernelTrace(TorchDispatchMode):
             cost, label = op_cost(func, args, kwargs, out), short_name(func, cost_shape(func, args))
             if cost.kind == "attention":  # the CPU's flash op stands for CUDA's
                 label = "flash attention" + (" backward" if cost.backward else "")
+        phase = self._phase()
         if in_graph:
             cpu = 0.0 if cost.kind == "free" else CUDA_GRAPH_KERNEL_US if self.cuda_graphs else COMPILED_KERNEL_US
         else:
-            cpu = VIEW_OP_US if cost.kind == "free" else EAGER_OP_US
-        phase = self._phase()
+            cpu = VIEW_OP_US if cost.kind == "free" else EAGER_BACKWARD_US if phase == "backward" else EAGER_FORWARD_US
+        calls, self._graph_calls = self.mem.graph_calls - self._graph_calls, self.mem.graph_calls
         if phase == "optimizer" and cost.kind == "matmul":  # no optimizer but Muon multiplies matrices
             cost, label = newton_schulz(cost, self.ns_dtype), f"Newton-Schulz: {label}"
         reads = tuple(st._cdata for t in tensors((args, kwargs)) for st in storages(t))
         writes = tuple(st._cdata for t in tensors(out) for st in storages(t))
         if cost.kind == "comm":  # in-place collectives write their output argument
             writes += reads
-        self.ops.append(Op(label, phase, self._micro, cost, cpu * cost.launches, reads, writes, self._step))
+        host = cpu * cost.launches + calls * GRAPH_CALL_US  # a graph's wrappers run before its first op
+        self.ops.append(Op(label, phase, self._micro, cost, host, reads, writes, self._step))
 
 
 def newton_schulz(cost: Cost, dtype: torch.dtype | None) -> Cost:
@@ -224,7 +232,7 @@ class KernelLog:
                 "optimizer",
                 0,
                 Cost("comm", comm="all-gather", comm_bytes=nbytes * ranks),
-                EAGER_OP_US,
+                EAGER_FORWARD_US,
                 done,
             )
             for n, nbytes in self.muon_groups
@@ -246,14 +254,14 @@ class KernelLog:
             while queue and (filled + queue[0]) / total <= flops / backward + 1e-9:
                 n = queue.pop(0)
                 filled += n
-                out.append(Op("DDP bucket copy", "backward", op.micro, Cost("memory", 2 * n), EAGER_OP_US))
+                out.append(Op("DDP bucket copy", "backward", op.micro, Cost("memory", 2 * n), EAGER_BACKWARD_US))
                 out.append(
                     Op(
                         "DDP all-reduce",
                         "backward",
                         op.micro,
                         Cost("comm", comm="all-reduce", comm_bytes=2 * n),
-                        EAGER_OP_US,
+                        EAGER_BACKWARD_US,
                     )
                 )
         return out
