@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastpt.plan.gpus import Speed
 from fastpt.plan.timing import StepTime
 
-# planned / reported step time over docs/performance.md's published runs (its "Published runs"
-# table; tests/test_timing.py recomputes both from the table): the median and the worst error.
-ERROR_BAND = (0.155, 0.45)
+# planned / reported step time over docs/performance.md's published runs that fastpt can express
+# (its "Published runs" table; tests/test_timing.py recomputes both from it): median and worst error.
+ERROR_BAND = (0.11, 0.29)
 
 
 def figure(x: float, decimals: int = 1) -> str:
