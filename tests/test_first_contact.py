@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, run_main, run_quietly, tiny_args, train_refuses
-from fastpt import distributed, files, prepare, train
+from fastpt import cores, distributed, files, prepare, train
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_default_threads_keep_omp_num_threads(monkeypatch):
 
 def test_default_threads_leave_the_busy_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(prepare, "all_cores", lambda: 16)
+    monkeypatch.setattr(cores, "all_cores", lambda: 16)
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (3.4, 0.0, 0.0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert distributed.cpu_threads(0) == 13
@@ -163,7 +163,7 @@ def test_default_threads_leave_the_busy_cores(monkeypatch):
     assert distributed.cpu_threads(0) == 6
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (40.0, 0.0, 0.0))
     assert distributed.cpu_threads(0) == 1
-    monkeypatch.setattr(prepare, "all_cores", lambda: 2)
+    monkeypatch.setattr(cores, "all_cores", lambda: 2)
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (0.7, 0.0, 0.0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert distributed.cpu_threads(0) == 2  # a partly busy core still counts: 1.45x faster than 1 thread
