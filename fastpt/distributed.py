@@ -69,6 +69,12 @@ def cpu_threads(requested: int) -> int:
     return max(1, (cores.all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def param_dtype(d: Dist, parallel: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the parameters compute in, and so the activations between autocast's ops: bf16
+    where FSDP shards a bf16 run (its mixed-precision policy casts them, `shard`), else fp32."""
+    return torch.bfloat16 if d.enabled and parallel == "fsdp" and dtype == torch.bfloat16 else torch.float32
+
+
 def one_process_warning(parallel: str, d: Dist) -> str:
     """The line a run that asked for --parallel fsdp but runs as one process gets (no torchrun, or
     torchrun with one: it trains unsharded, which a user may not expect), else ''."""
