@@ -6,12 +6,13 @@ GPU run checks it itself (a trainer calls `failures` before its first step).
 Each op runs as a trainer calls it: under autocast in the run's dtype, on activations and weights
 in the dtype the parameters compute in, once with gradients (training's launches) and once without
 (evaluation's). The probe keeps what picks the kernels' code: the hidden size, the dtype, and so
-each kernel's tile; it narrows the rest. ROWS rows, a multiple of 16 as a run's rows are, so that
-Triton specializes the integer arguments as for the run (all but the RMSNorm backward's rows per
-program); and the vocabulary cut to two tiles of the cross-entropy kernel's sweep, a full one and
-then one as long as the run's last (ragged when the run's is, with the same padding), so that the
-sweep's carry from tile to tile is checked too. The standalone cross_entropy op is not probed: the
-model never calls it (its loss is linear + cross-entropy, whose launches run the same kernel).
+each kernel's tile; it narrows the rest. On a GPU ROWS rows, a multiple of 16 as a run's rows are,
+so that Triton specializes the integer arguments as for the run (all but the RMSNorm backward's
+rows per program), fewer under the interpreter; and the vocabulary cut to two tiles of the
+cross-entropy kernel's sweep, a full one and then one as long as the run's last (ragged when the
+run's is, with the same padding), so that the sweep's carry from tile to tile is checked too. The
+standalone cross_entropy op is not probed: the model never calls it (its loss is linear +
+cross-entropy, whose launches run the same kernel).
 
 The oracle is the reference in float64; each result and input gradient must lie within TOLERANCE
 (of the dtype) times the oracle's largest magnitude, the kernels' documented accuracy, or within
@@ -30,10 +31,11 @@ __all__ = ["TOLERANCE", "ROWS", "failures", "probe_vocab"]
 # Relative to the oracle's largest magnitude: fp32 kernels agree to ~1e-5 (the margin covers the
 # reductions' order), 16-bit ones to a rounding of their inputs and outputs.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-# The probe's rows: 16, as a run's are a multiple of 16, so that a GPU compiles the probe's launches
-# once for both (tests/test_aot.py); the first row is ignored (-100), as padding makes, the second
+# The probe's rows. On a GPU 16, as a run's rows are a multiple of 16, so that the probe's launches
+# compile once for both (tests/test_aot.py); Triton's interpreter compiles nothing and pays per row
+# (a program each), so 8 there. The first row is ignored (-100), as padding makes, the second
 # targets the last logit.
-ROWS = 16
+ROWS, INTERPRETED_ROWS = 16, 8
 
 
 def probe_vocab(vocab: int, dtype: torch.dtype) -> int:
@@ -50,15 +52,16 @@ def _probes(
 ) -> dict[str, tuple[Callable, dict[str, torch.Tensor], bool]]:
     """Each op the model calls, with its named inputs in `dtype` and whether it launches a kernel of
     its own without gradients (linear + cross-entropy's loss alone, evaluation's)."""
+    rows = ROWS if device.type == "cuda" else INTERPRETED_ROWS
     gen = torch.Generator(device).manual_seed(0)
     randn = lambda *shape: torch.randn(shape, generator=gen, device=device).to(dtype)  # noqa: E731
-    target = torch.randint(0, vocab, (ROWS,), generator=gen, device=device)
+    target = torch.randint(0, vocab, (rows,), generator=gen, device=device)
     target[:2] = torch.tensor([-100, vocab - 1])
     return {
-        "rms_norm": (lambda x, w, b: b(x, w, eps), {"input": randn(ROWS, dim), "weight": 1 + 0.1 * randn(dim)}, False),
+        "rms_norm": (lambda x, w, b: b(x, w, eps), {"input": randn(rows, dim), "weight": 1 + 0.1 * randn(dim)}, False),
         "linear_cross_entropy": (
             lambda x, w, b: b(x, w, target, z_loss=z_loss),
-            {"input": randn(ROWS, dim), "weight": randn(vocab, dim) / dim**0.5},
+            {"input": randn(rows, dim), "weight": randn(vocab, dim) / dim**0.5},
             True,
         ),
     }
@@ -76,7 +79,7 @@ def _run(
     """The op's result under autocast to `dtype` with gradients (and without, for `evaluation`), and
     the gradient of each input for a fixed random upstream gradient."""
     op = lambda *a, **k: getattr(api, name)(*a, backend=backend, **k)  # noqa: E731
-    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    leaves = [t.detach().requires_grad_() for t in inputs]  # new leaves over the same storage: nothing writes it
     autocast = lambda: torch.autocast(inputs[0].device.type, dtype, enabled=dtype != torch.float32)  # noqa: E731
     with autocast():
         out = call(*leaves, op)
