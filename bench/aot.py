@@ -57,6 +57,7 @@ class Compiled:
     global_loads: collections.Counter  # access width in bits -> instructions
     global_stores: collections.Counter
     launches: int = 1  # launches that ran this compiled kernel (the chunks of a loop)
+    key: str = ""  # Triton's cache key: launches with equal keys share one compile
 
     @property
     def programs_per_sm(self) -> int:
@@ -130,6 +131,7 @@ def _inspect(kernel, grid: tuple, log: str, launches: int) -> Compiled:
         global_loads=_widths(sass, "LDG"),
         global_stores=_widths(sass, "STG"),
         launches=launches,
+        key=kernel.hash,
     )
 
 

@@ -376,8 +376,12 @@ def restore(
             skipped.append((path, str(e)))
             continue
         return path, ckpt, skipped
-    if skipped:
-        raise CheckpointError(f"no checkpoint in {run_dir} loads; newest: {skipped[0][1]}")
+    if skipped:  # the run's history is damaged, not absent: left as it is for a person to mend, never started over
+        names = ", ".join(path.name for path, _ in skipped)
+        raise CheckpointError(
+            f"no checkpoint in {run_dir} loads ({names}); newest: {skipped[0][1]}; "
+            "nothing was changed: mend or move them away to start the run over, or choose another --out"
+        )
     return None
 
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fastpt import cores
 from fastpt.errors import FastptError, fail
 
 # A collective that waits longer than this for a rank fails instead of hanging (torch's default is
@@ -64,10 +65,14 @@ def cpu_threads(requested: int) -> int:
         return requested
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    from fastpt.prepare import all_cores  # the cores this process may run on (its affinity)
-
     busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-    return max(1, (all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, (cores.all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def param_dtype(d: Dist, parallel: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the parameters compute in, and so the activations between autocast's ops: bf16
+    where FSDP shards a bf16 run (its mixed-precision policy casts them, `shard`), else fp32."""
+    return torch.bfloat16 if d.enabled and parallel == "fsdp" and dtype == torch.bfloat16 else torch.float32
 
 
 def one_process_warning(parallel: str, d: Dist) -> str:

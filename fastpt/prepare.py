@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from fastpt import files
+from fastpt import cores, files
 from fastpt.data.shards import INCOMPLETE, MAX_VOCAB, ShardWriter, count_tokens, move_tail, token_dtype
 from fastpt.data.sources import Source, documents, find_sources
 from fastpt.data.tokenizer import KINDS, build_tokenizer, tokenizer_from_json
@@ -208,10 +208,6 @@ def check_options(
         raise ConfigError(f"--tokenizer-sample {tokenizer_sample_mb}: must be > 0 (megabytes)")
 
 
-def all_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def prepare(
     inputs: list[str | Path],
     out: str | Path,
@@ -238,7 +234,7 @@ def prepare(
     if skipped:
         names = ", ".join(map(str, skipped[:3])) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
         print(f"--skip-binary: left out {len(skipped)} file(s) that are not text: {names}", flush=True)
-    workers = workers or all_cores()
+    workers = workers or cores.all_cores()
     start = time.perf_counter()
     with files.staged(out, "fastpt.prepare") as tmp:
         (tmp / INCOMPLETE).touch()  # what train refuses, should this folder ever be published unfinished

@@ -96,7 +96,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         data = build_data(cfg, d, device)
         cleanup.callback(data.loader.close)
         evaluator = Evaluator(data.val, cfg, device, data.sources)  # val loss, bpb, --eval-mc
-        backend = kernel_backend(cfg, data.model_config, device, log)  # a kernel that fails is never traced
+        backend = kernel_backend(cfg, data.model_config, device, d, log)  # a kernel that fails is never traced
         net = build_model(cfg, data.model_config, device, d, data.init_weights, backend)
         state = TrainState()
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)

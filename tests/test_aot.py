@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bench import aot
+from fastpt.kernels import selftest
 
 pytest.importorskip("triton.backends.nvidia")  # the compiler and its ptxas / cuobjdump
 
@@ -99,3 +100,32 @@ def test_sm_count_override_is_restored():
     with aot.sm90(7):
         assert _launch.max_programs(torch.device("meta")) == 4 * 7
     assert _launch.SM_COUNT is None and _launch.max_programs(torch.device("cpu")) == 4
+
+
+def _model_launches(rows: int, vocab: int) -> None:
+    """The kernels a bf16 0.04b run launches (hidden 512): the norm over fp32 activations, the loss
+    with its gradient (training) and without (evaluation) in bf16, as autocast has it."""
+    from fastpt.kernels.ops import linear_cross_entropy, rms_norm
+
+    x, w, head = (torch.empty(*shape, device=aot.M) for shape in ((rows, 512), (512,), (vocab, 512)))
+    _, rstd = rms_norm.rms_norm_forward(x, w, 1e-6)
+    rms_norm.rms_norm_backward(torch.empty_like(x), x, w, rstd)
+    target = torch.empty(rows, dtype=torch.long, device=aot.M)
+    for scale in (torch.ones((), device=aot.M), None):
+        linear_cross_entropy.linear_cross_entropy_forward(x, head, target, -100, torch.bfloat16, 0.0, scale)
+
+
+@pytest.mark.slow
+def test_the_kernel_probe_compiles_what_the_run_compiles():
+    """On a GPU the self-check's compiles are the run's own (equal cache keys), but for the RMSNorm
+    backward's, whose rows per program differ: the planned cost in docs/kernels.md."""
+    keys = {}
+    for name, rows, vocab in (
+        ("probe", selftest.ROWS, selftest.probe_vocab(32000, torch.bfloat16)),
+        ("run", 16384, 32000),
+    ):
+        compiled = aot.compile_case(lambda rows=rows, vocab=vocab: _model_launches(rows, vocab))
+        keys[name] = {(c.kernel, str(c.constexprs)): c.key for c in compiled}
+    assert keys["probe"].keys() == keys["run"].keys() and len(keys["run"]) == 4, keys
+    differ = [kernel for kernel, key in keys["probe"].items() if keys["run"][kernel] != key]
+    assert [kernel for kernel, _ in differ] == ["_rms_norm_bwd_kernel"], differ

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, run_main, run_quietly, tiny_args, train_refuses
-from fastpt import distributed, files, prepare, train
+from fastpt import cores, distributed, files, prepare, train
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,29 @@ def test_resume_require_refuses_to_start_over(runs, tiny_data, capsys, no_work):
     train_refuses(capsys, tiny_args(tiny_data, typo, "--resume-require"), "'resume_require' needs --resume")
 
 
+@pytest.mark.parametrize("resume", ["--resume", "--resume=require"])
+def test_a_run_whose_every_checkpoint_is_damaged_never_starts_over(runs, tiny_data, capsys, resume):
+    """Damaged is not absent: plain --resume refuses too (a copy damaged in transfer can be fetched
+    again), in one line naming every checkpoint it tried, and changes nothing in the folder."""
+    run_dir = runs / "copyright"
+    shutil.copy(run_dir / "ckpt_00000001.pt", run_dir / "ckpt_00000002.pt")
+    for path in run_dir.glob("ckpt_*.pt"):
+        with open(path, "r+b") as f:  # a bit flipped inside the checksummed bytes
+            f.seek(path.stat().st_size // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte ^ 1]))
+    files = lambda: {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".lock"}  # noqa: E731
+    before = files()
+    train_refuses(
+        capsys,
+        tiny_args(tiny_data, run_dir, resume, max_steps=3),
+        f"no checkpoint in {run_dir} loads (ckpt_00000002.pt, ckpt_00000001.pt); newest: could not read checkpoint",
+        "nothing was changed: mend or move them away to start the run over, or choose another --out",
+    )
+    assert files() == before
+
+
 @pytest.mark.parametrize("resume", [[], ["--resume"]])
 def test_a_folder_of_runs_is_refused_as_out(runs, tiny_data, capsys, no_work, resume):
     before = sorted(p.name for p in runs.rglob("*"))
@@ -131,7 +154,7 @@ def test_default_threads_keep_omp_num_threads(monkeypatch):
 
 def test_default_threads_leave_the_busy_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(prepare, "all_cores", lambda: 16)
+    monkeypatch.setattr(cores, "all_cores", lambda: 16)
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (3.4, 0.0, 0.0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert distributed.cpu_threads(0) == 13
@@ -140,7 +163,7 @@ def test_default_threads_leave_the_busy_cores(monkeypatch):
     assert distributed.cpu_threads(0) == 6
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (40.0, 0.0, 0.0))
     assert distributed.cpu_threads(0) == 1
-    monkeypatch.setattr(prepare, "all_cores", lambda: 2)
+    monkeypatch.setattr(cores, "all_cores", lambda: 2)
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (0.7, 0.0, 0.0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert distributed.cpu_threads(0) == 2  # a partly busy core still counts: 1.45x faster than 1 thread

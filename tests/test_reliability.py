@@ -385,7 +385,8 @@ def test_unusable_run_folder(tiny_data, tmp_path, capsys):
     train_refuses(
         capsys,
         base_args(tiny_data, tmp_path) + ["--resume"],
-        f"no checkpoint in {tmp_path} loads; newest: could not read checkpoint {tmp_path / 'ckpt_00000004.pt'}",
+        f"no checkpoint in {tmp_path} loads (ckpt_00000004.pt); newest: could not read checkpoint",
+        f"checkpoint {tmp_path / 'ckpt_00000004.pt'}",
     )
 
 
