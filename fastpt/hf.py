@@ -411,6 +411,8 @@ def save_tokenizer(tok, doc_id: int | None, out: Path, max_seq_len: int) -> tupl
     write_json(out / "special_tokens_map.json", special)
     # clean_up_tokenization_spaces would rewrite " ." to "." on decode: text must come back as it went in.
     # add_bos_token / add_eos_token say what the post-processor does, for readers of this file alone.
+    # model_input_names: transformers 4.x's fast tokenizer would also return token_type_ids, which
+    # generate() refuses for a Llama.
     write_json(
         out / "tokenizer_config.json",
         {
@@ -420,6 +422,7 @@ def save_tokenizer(tok, doc_id: int | None, out: Path, max_seq_len: int) -> tupl
             "add_eos_token": False,
             "model_max_length": max_seq_len,
             "clean_up_tokenization_spaces": False,
+            "model_input_names": ["input_ids", "attention_mask"],
         },
     )
     return doc_id, None if eos is None else tok.token_to_id(eos)

@@ -399,7 +399,7 @@ PREPARE_MISTAKES = {  # name -> (set up tmp_path, argv; FILE is tmp_path / "f"),
     "dataset lists": (
         lambda f: write_saved_dataset(f, [[d] for d in DOCS]),
         ["FILE"],
-        "FILE: column 'text' holds List, not text",
+        "FILE: column 'text' holds ",  # then the feature's type: List (datasets 4), list (2.16)
     ),
     "--out in /proc": (lambda f: f.write_text("text"), ["FILE", "--out", "/proc/fastpt-out"], "/proc/fastpt-out"),
 }
