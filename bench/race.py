@@ -53,7 +53,7 @@ from bench.race_flags import (
     recipes,
     seed_size,
 )
-from bench.race_stats import beats, below_range, best_run, difference, summarize, tokens_to_target, widened
+from bench.race_stats import beats, below_range, best_run, difference, ok, summarize, tokens_to_target, widened
 from fastpt.errors import USAGE_EXIT, FastptError
 
 NOT_OPTIONS = ("seed", "modern", "best")  # never members of the best combination
@@ -144,14 +144,18 @@ class Race:
                 if (budget, seed) != (self.budgets[-1], self.args.seed):  # the sweep ran that one
                     self.one(name, flags, best["multiplier"], budget, seed)
         mine = [r for r in self.runs if r["recipe"] == name and r["multiplier"] == best["multiplier"]]
-        budgets = [
-            summarize(f, s, s * self.tokens_per_step, [r for r in mine if r["fraction"] == f]) for f, s in self.budgets
-        ]
+        budgets = [self.budget(f, s, [r for r in mine if r["fraction"] == f]) for f, s in self.budgets]
         return {
             **{k: best[k] for k in ("recipe", "recipe_flags", "multiplier", "lrs")},
             "lr_at_edge": edge,
             "budgets": budgets,
         }
+
+    def budget(self, fraction: float, steps: int, runs: list[dict]) -> dict:
+        """One budget of a recipe's runs; its tokens the ones they trained (fewer than steps x tokens
+        per step under a batch warm-up), else the budget's."""
+        tokens = next((r["tokens"] for r in runs if ok(r)), steps * self.tokens_per_step)
+        return summarize(fraction, steps, tokens, runs)
 
     def race(self, chosen: dict[str, list[str]]) -> dict:
         """Every recipe at every budget, the target, and the best combination of what beat the seed."""

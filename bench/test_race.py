@@ -262,6 +262,25 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
         assert needed in md, needed
 
 
+def test_a_budget_counts_the_tokens_its_runs_trained(tmp_path, monkeypatch):
+    """A batch warm-up trains fewer tokens than its steps' full batches: its budgets count those."""
+
+    def ramped(name, flags, steps, args, data, out) -> dict:
+        row = stand_in(name, flags, steps, args, data, out)
+        return {**row, "tokens": row["tokens"] - 1024} if "--batch-warmup-steps" in flags else row
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race, "run", ramped)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed", "--speed-rounds", "1", "--seeds", "2"]
+    argv += ["--recipe", "bw=--micro-batch 8 --grad-accum 2 --batch-warmup-steps 4", "--multiplier", "seed=1"]
+    argv += ["--multiplier", "bw=1", "--work", str(tmp_path / "runs"), "--save", str(tmp_path / "out")]
+    assert race.main(argv) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    seed, bw = ([b["tokens"] - b["steps"] * r["tokens_per_step"] for b in row["budgets"]] for row in r["rows"])
+    assert seed == [0, 0, 0] and bw == [-1024, -1024, -1024]
+
+
 @pytest.mark.slow
 def test_race_on_a_tiny_budget(bench_data, tmp_path):
     """Real fastpt.train processes (four: the seed at two budgets and two seeds), the results folder
