@@ -53,7 +53,7 @@ from bench.race_flags import (
     recipes,
     seed_size,
 )
-from bench.race_stats import beats, below_range, best_run, difference, summarize, tokens_to_target, widened
+from bench.race_stats import beats, below_range, best_run, difference, ok, summarize, tokens_to_target, widened
 from fastpt.errors import USAGE_EXIT, FastptError
 
 NOT_OPTIONS = ("seed", "modern", "best")  # never members of the best combination
@@ -61,18 +61,27 @@ NOT_OPTIONS = ("seed", "modern", "best")  # never members of the best combinatio
 # ---- one run
 
 
-def run(name: str, flags: list[str], steps: int, args: argparse.Namespace, data: Path, out: Path) -> dict:
-    """One fastpt.train run from scratch in `out`; its curve, or the error that stopped it."""
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run, not a resumed one
+def run(
+    name: str, flags: list[str], steps: int, args: argparse.Namespace, data: Path, out: Path, reuse: bool = False
+) -> dict:
+    """One fastpt.train run from scratch in `out`; its curve, or the error that stopped it. With
+    `reuse`, a run that finished with the same command before (recorded beside `out`) is read back."""
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     cmd = ["nice", "-n", str(args.nice), sys.executable, "-m", "fastpt.train", "--data", str(data)]
     cmd += [*common_flags(args, steps), "--out", str(out), *flags]
+    finished, row = out.parent / f"{out.name}.json", {"run": name, "flags": flags, "steps": steps}
+    if reuse and finished.is_file() and (before := json.loads(finished.read_text()))["command"] == cmd:
+        print(f"race: {name}: reused from {out}", flush=True)
+        return {**row, "process_s": before["process_s"], **curve(out / "metrics.jsonl")}
+    finished.unlink(missing_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run, not a resumed one
     print(f"race: {name}: {' '.join(flags) or '(the seed recipe)'}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
-    row = {"run": name, "flags": flags, "steps": steps, "process_s": round(time.perf_counter() - start, 1)}
+    row["process_s"] = round(time.perf_counter() - start, 1)
     if proc.returncode != 0:
         return {**row, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+    finished.write_text(json.dumps({"command": cmd, "process_s": row["process_s"]}))
     return {**row, **curve(out / "metrics.jsonl")}
 
 
@@ -114,7 +123,8 @@ class Race:
         lr_args, lrs = lr_flags(flags, mult, self.args, self.vocab)
         fraction, steps = budget
         tag = f"{recipe}-x{mult:g}-b{fraction:g}-seed{seed}"
-        row = run(tag, [*flags, *lr_args, "--seed", str(seed)], steps, self.args, self.data, self.work / tag)
+        given = [*flags, *lr_args, "--seed", str(seed)]
+        row = run(tag, given, steps, self.args, self.data, self.work / tag, self.args.reuse)
         row = {**row, "recipe": recipe, "recipe_flags": flags, "multiplier": mult, "fraction": fraction}
         self.runs.append({**row, "seed": seed, "lrs": lrs})
         return self.runs[-1]
@@ -144,14 +154,18 @@ class Race:
                 if (budget, seed) != (self.budgets[-1], self.args.seed):  # the sweep ran that one
                     self.one(name, flags, best["multiplier"], budget, seed)
         mine = [r for r in self.runs if r["recipe"] == name and r["multiplier"] == best["multiplier"]]
-        budgets = [
-            summarize(f, s, s * self.tokens_per_step, [r for r in mine if r["fraction"] == f]) for f, s in self.budgets
-        ]
+        budgets = [self.budget(f, s, [r for r in mine if r["fraction"] == f]) for f, s in self.budgets]
         return {
             **{k: best[k] for k in ("recipe", "recipe_flags", "multiplier", "lrs")},
             "lr_at_edge": edge,
             "budgets": budgets,
         }
+
+    def budget(self, fraction: float, steps: int, runs: list[dict]) -> dict:
+        """One budget of a recipe's runs; its tokens the ones they trained (fewer than steps x tokens
+        per step under a batch warm-up), else the budget's."""
+        tokens = next((r["tokens"] for r in runs if ok(r)), steps * self.tokens_per_step)
+        return summarize(fraction, steps, tokens, runs)
 
     def race(self, chosen: dict[str, list[str]]) -> dict:
         """Every recipe at every budget, the target, and the best combination of what beat the seed."""
@@ -335,6 +349,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--nice", type=int, default=10, help="niceness of each run (default: %(default)s)")
     add("--work", default="/tmp/fastpt-race", help="the runs' folders (default: %(default)s)")
     add("--save", default="", help="results folder: race.md, race.json, the runs' metrics (default: none)")
+    add(
+        "--reuse",
+        action="store_true",
+        help="read back a run that finished in --work with the same command (an interrupted race, "
+        "or one split over processes) instead of training it again; speed rounds always run",
+    )
     return ap.parse_args(argv)
 
 

@@ -209,7 +209,7 @@ def test_a_sweep_widens_past_the_edge_its_best_is_at():
     assert best_run(runs + [{"multiplier": 4, "error": "boom"}])["multiplier"] == 1
 
 
-def stand_in(name, flags, steps, args, data, out) -> dict:
+def stand_in(name, flags, steps, args, data, out, reuse=False) -> dict:
     """One fastpt.train run, stood in for: the final loss falls with the tokens, is lowest at 4x the
     seed's LR (Muon: 2x, and 30% less above 3 nats), a seed moves it by -0.01, 0 or +0.01; Muon
     trains at half the seed's tok/s (the speed rounds give no --lr or --seed: the seed's)."""
@@ -260,6 +260,47 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
         "(n=3)",
     ):
         assert needed in md, needed
+
+
+def test_a_budget_counts_the_tokens_its_runs_trained(tmp_path, monkeypatch):
+    """A batch warm-up trains fewer tokens than its steps' full batches: its budgets count those."""
+
+    def ramped(name, flags, steps, args, data, out, reuse=False) -> dict:
+        row = stand_in(name, flags, steps, args, data, out)
+        return {**row, "tokens": row["tokens"] - 1024} if "--batch-warmup-steps" in flags else row
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race, "run", ramped)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed", "--speed-rounds", "1", "--seeds", "2"]
+    argv += ["--recipe", "bw=--micro-batch 8 --grad-accum 2 --batch-warmup-steps 4", "--multiplier", "seed=1"]
+    argv += ["--multiplier", "bw=1", "--work", str(tmp_path / "runs"), "--save", str(tmp_path / "out")]
+    assert race.main(argv) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    seed, bw = ([b["tokens"] - b["steps"] * r["tokens_per_step"] for b in row["budgets"]] for row in r["rows"])
+    assert seed == [0, 0, 0] and bw == [-1024, -1024, -1024]
+
+
+def test_reuse_reads_back_a_finished_run_with_the_same_command(tmp_path, monkeypatch):
+    """--reuse: a run finished with the same command is read back, not trained again; another
+    command, or a run without --reuse, trains afresh."""
+    trained = []
+
+    def train(cmd, **kwargs):
+        trained.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        metrics(out / "metrics.jsonl", 2048, {10: 4.0})
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(race.subprocess, "run", train)
+    args, out = race.parse_args(["--work", str(tmp_path)]), tmp_path / "seed-x1-b1-seed1337"
+    first = race.run("seed", ["--lr", "0.002"], 10, args, tmp_path, out, reuse=True)
+    again = race.run("seed", ["--lr", "0.002"], 10, args, tmp_path, out, reuse=True)
+    assert len(trained) == 1 and again == first and first["final_val_loss"] == 4.0
+    race.run("seed", ["--lr", "0.004"], 10, args, tmp_path, out, reuse=True)  # another LR: trained
+    race.run("seed", ["--lr", "0.004"], 10, args, tmp_path, out)  # no --reuse (a speed round): trained
+    assert len(trained) == 3
 
 
 @pytest.mark.slow

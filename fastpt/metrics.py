@@ -24,6 +24,7 @@ from fastpt.data.tokenizer import copy_for_run
 from fastpt.errors import ConfigError, require
 from fastpt.files import clear_temporaries, owned_folder, write_atomic
 from fastpt.presets import ModelConfig
+from fastpt.step import micro_batches
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity), by a substring of the device name.
 PEAK_BF16_FLOPS = {
@@ -119,7 +120,7 @@ class Dashboard:
     max_steps: int
     tokens_per_step: int  # all ranks together
     world_size: int
-    flops_per_step: float
+    flops_per_token: float
     peak_flops: float | None  # per GPU; None: no MFU (a CPU, an unknown GPU)
     device: torch.device
     z_loss: bool  # the run trains with a z-loss term: log it
@@ -134,7 +135,7 @@ class Dashboard:
             max_steps=cfg.max_steps,
             tokens_per_step=tokens_per_step,
             world_size=world_size,
-            flops_per_step=flops_per_token * tokens_per_step,
+            flops_per_token=flops_per_token,
             peak_flops=peak,
             device=device,
             z_loss=cfg.z_loss > 0,
@@ -146,11 +147,12 @@ class Dashboard:
     ) -> dict:
         """The record of the log window that the loop's TrainState `state` has summed, `elapsed`
         seconds of training long; reading the loss is the window's one wait for the device. `lrs`:
-        each optimizer group's LR (optim.apply_schedule), "lr" as `lr`, the others as `lr/NAME`."""
+        each optimizer group's LR (optim.apply_schedule), "lr" as `lr`, the others as `lr/NAME`. Speed
+        and MFU count the tokens the window trained: a batch warm-up's steps train fewer."""
         steps = state.window_steps
         loss = (state.window_loss / steps).item()
-        tok_s = steps * self.tokens_per_step / elapsed
-        mfu = self.flops_per_step * steps / elapsed / self.world_size / self.peak_flops if self.peak_flops else None
+        tok_s = state.window_tokens / elapsed
+        mfu = self.flops_per_token * tok_s / self.world_size / self.peak_flops if self.peak_flops else None
         record = {
             "step": state.step,
             "loss": loss,
@@ -309,6 +311,11 @@ def recipe_choices(cfg: TrainConfig, model: ModelConfig) -> list[str]:
     return choices
 
 
+def run_tokens(cfg: TrainConfig, dash: Dashboard) -> int:
+    """The tokens the whole run trains: fewer than max_steps full steps under a batch warm-up."""
+    return micro_batches(cfg, cfg.max_steps) * dash.tokens_per_step // cfg.grad_accum
+
+
 def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[str]:
     """The lines a run starts with: where it writes and what it trains, on what data, and the
     recipe's choices that differ from the seed's."""
@@ -321,6 +328,7 @@ def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"),
         f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
         f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
-        f"{dash.world_size} ranks) | {cfg.max_steps:,} steps = {dash.tokens_per_step * cfg.max_steps:,} tokens",
+        f"{dash.world_size} ranks) | {cfg.max_steps:,} steps = {run_tokens(cfg, dash):,} tokens"
+        + (f" (a batch warm-up over the first {cfg.batch_warmup_steps:,})" if cfg.batch_warmup_steps else ""),
         f"recipe {cfg.recipe} | vs the seed's: " + (", ".join(recipe_choices(cfg, data.model_config)) or "none"),
     ]

@@ -46,6 +46,12 @@ def accum_at(cfg: TrainConfig, step: int) -> int:
     return 1 + (cfg.grad_accum - 1) * step // cfg.batch_warmup_steps
 
 
+def micro_batches(cfg: TrainConfig, steps: int) -> int:
+    """Micro-batches the first `steps` steps train, the batch warm-up's ramp counted (per rank)."""
+    ramp = min(steps, cfg.batch_warmup_steps)
+    return sum(accum_at(cfg, s) for s in range(ramp)) + cfg.grad_accum * (steps - ramp)
+
+
 def train_step(
     net: Net,
     loader: TrainLoader,
@@ -100,6 +106,7 @@ class TrainState:
     window_loss: float | torch.Tensor = 0.0  # sum of step losses since the last dashboard line
     window_z_loss: float | torch.Tensor = 0.0  # ... and of their z-loss terms
     window_steps: int = 0  # updates applied since the last dashboard line
+    window_tokens: int = 0  # ... and the tokens they trained (fewer per step during a batch warm-up)
 
     def state_dict(self) -> dict:
         return {
@@ -109,6 +116,7 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        state = {"window_tokens": 0, **state}  # a checkpoint from before window_tokens: tok/s restarts counting
         for f in dataclasses.fields(self):
             setattr(self, f.name, state[f.name])
 
@@ -124,6 +132,7 @@ class TrainState:
         if result.applied:
             self.consecutive_skips = 0
             self.tokens_seen += tokens_per_step
+            self.window_tokens += tokens_per_step
             self.window_loss += result.loss
             self.window_z_loss += result.z_loss
             self.window_steps += 1
@@ -135,6 +144,7 @@ class TrainState:
         self.window_loss.zero_()
         self.window_z_loss.zero_()
         self.window_steps = 0
+        self.window_tokens = 0
 
 
 def build_model(

@@ -16,9 +16,10 @@ from fastpt import checkpoint, export, hf, train
 from fastpt.cli import parse_args
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import ConfigError
+from fastpt.metrics import Dashboard
 from fastpt.model import Transformer
 from fastpt.plan import planner
-from fastpt.step import accum_at
+from fastpt.step import StepResult, TrainState, accum_at
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
 OPTIONS = {"mlp": "relu2", "logit_softcap": 15.0, "unet_skips": True}
@@ -139,8 +140,9 @@ def test_a_batch_warmup_run_counts_its_tokens_and_resumes_to_the_same_weights(ti
     """6 steps, checkpointed at 3: resumed from there, the same final weights and tokens as uninterrupted."""
     whole = tmp_path / "whole"
     args = tiny_args(tiny_data, whole, max_steps=6, ckpt_every=3, micro_batch=2, grad_accum=4, batch_warmup_steps=4)
-    code, _, err = run_main(train.main, args, capsys)
+    code, out, err = run_main(train.main, args, capsys)
     assert code == 0, err
+    assert "6 steps = 960 tokens (a batch warm-up over the first 4)" in out  # 2 x 32 x (1+1+2+3+4+4)
     shutil.copytree(whole, tmp_path / "resumed")
     (tmp_path / "resumed" / "ckpt_00000006.pt").unlink()
     resumed_args = [*args, "--out", str(tmp_path / "resumed"), "--resume"]
@@ -151,6 +153,22 @@ def test_a_batch_warmup_run_counts_its_tokens_and_resumes_to_the_same_weights(ti
     assert ends[1]["train_state"]["tokens_seen"] == ends[0]["train_state"]["tokens_seen"]
     for name, w in ends[0]["model"].items():
         assert torch.equal(w, ends[1]["model"][name]), name
+
+
+def test_a_ramping_windows_speed_and_mfu_count_the_tokens_it_trained():
+    """Two steps of a 1 -> 4 micro-batch ramp trained 1 + 2 micro-batches, not two full batches."""
+    dash = Dashboard(10, 4 * 64, 1, 6.0, 1e3, torch.device("cpu"), False, False)  # 64 tokens a micro-batch
+    state = TrainState()
+    state.to(torch.device("cpu"))
+    for micro in (1, 2):
+        state.count(StepResult(*torch.ones(3), torch.tensor(True), True), 64 * micro)
+    record = dash.record(state, 2.0, {"lr": 1e-3}, torch.tensor(1.0), 0.0, 0)
+    assert record["tok_s"] == (1 + 2) * 64 / 2.0 and record["mfu"] == pytest.approx(6.0 * 96 / 1e3)
+    state.new_window()
+    assert state.window_tokens == 0
+    older = {k: v for k, v in state.state_dict().items() if k != "window_tokens"}  # a checkpoint before it
+    state.load_state_dict({**older, "window_steps": 3})
+    assert (state.window_steps, state.window_tokens) == (3, 0)
 
 
 @pytest.mark.slow

@@ -180,6 +180,21 @@ def test_mfu_is_the_models_whatever_the_kernels():
     assert steps[0].hfu > 0 and steps[0].seconds != steps[1].seconds
 
 
+def test_a_batch_warmup_is_priced_at_the_micro_batches_its_ramp_trains():
+    """The first 100 of 1,000 steps ramp 1 -> 4 micro-batches: the same full step, but the run is
+    priced without the forward and backward of the micro-batches the ramp leaves out, and says so."""
+    flags = (*TINY, "--grad-accum", "4", "--max-steps", "1000")
+    full, ramp = (plan_of(*flags, *more, "--plan-gpu", "h100-80") for more in ((), ("--batch-warmup-steps", "100")))
+    step = ramp.step_time()
+    assert step.seconds == full.step_time().seconds
+    left_out = 100 * 4 - sum(1 + 3 * s // 100 for s in range(100))
+    per_micro = (step.parts["forward"] + step.parts["backward"]) / 4
+    assert planner.to_json(full)["run_s"] == pytest.approx(1000 * step.seconds)
+    assert planner.to_json(ramp)["run_s"] == pytest.approx(1000 * step.seconds - left_out * per_micro)
+    line = next(line for line in planner.describe(ramp) if line.startswith("  1,000 steps"))
+    assert "(the first 100 ramping 1 -> 4 micro-batches: " in line and " ms a step on average)" in line
+
+
 def test_no_printed_figure_rounds_to_zero():
     """336 tok/s over 8 GPUs is '42 per GPU', not '0k'; 0.04 ms of optimizer is not '0.0'."""
     assert report.count(336 / 8) == "42" and report.count(336_000) == "336k" and report.count(0.3) == "0.3"

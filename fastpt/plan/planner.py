@@ -374,7 +374,7 @@ def describe(plan: Plan) -> list[str]:
     if cuda and plan.card is not None:
         step = plan.step_time()
         lines += (
-            report.describe(step, plan.card.name, speed_of(plan.card), cfg.max_steps, cfg.compile, cfg.plan_price)
+            report.describe(step, plan.card.name, speed_of(plan.card), cfg)
             if step
             else [f"step time: {plan.card} has no known speed; give one of the named --plan-gpu cards to plan it"]
         )
@@ -412,5 +412,5 @@ def to_json(plan: Plan) -> dict:
         if plan.card.free is not None:
             out.update(gpu_free_gib=plan.card.free / GIB)
     if step := plan.step_time():
-        out.update(report.to_json(step, plan.cfg.max_steps, plan.cfg.plan_price))
+        out.update(report.to_json(step, plan.cfg))
     return out

@@ -5,8 +5,10 @@ to zero (figure); the JSON keeps full precision."""
 
 from __future__ import annotations
 
+from fastpt.config import TrainConfig
 from fastpt.plan.gpus import Speed
 from fastpt.plan.timing import StepTime
+from fastpt.step import micro_batches
 
 # planned / reported step time over docs/performance.md's published runs that fastpt can express
 # (its "Published runs" table; tests/test_timing.py recomputes both from it): median and worst error.
@@ -45,26 +47,38 @@ def si(x: float, unit: str) -> str:
     return f"{figure(x, 0)} {unit}"
 
 
-def gpu_hours(step: StepTime, max_steps: int) -> float:
-    return step.seconds * max_steps * step.world_size / 3600
+def run_seconds(step: StepTime, cfg: TrainConfig) -> float:
+    """max_steps planned steps, less the forward and backward of the micro-batches a batch warm-up
+    leaves out of its first steps (their optimizer step and gradient sync cost the same)."""
+    left_out = cfg.max_steps * cfg.grad_accum - micro_batches(cfg, cfg.max_steps)
+    per_micro = (step.parts["forward"] + step.parts["backward"]) / cfg.grad_accum
+    return step.seconds * cfg.max_steps - per_micro * left_out
 
 
-def run_line(step: StepTime, speed: Speed, max_steps: int, price: float) -> str:
+def gpu_hours(step: StepTime, cfg: TrainConfig) -> float:
+    return run_seconds(step, cfg) * step.world_size / 3600
+
+
+def run_line(step: StepTime, speed: Speed, cfg: TrainConfig) -> str:
     """The run's wall time, GPU-hours and cost, the link assumed, and how far to trust them."""
-    hours = gpu_hours(step, max_steps)
+    hours, price = gpu_hours(step, cfg), cfg.plan_price
     cost = f" = ${figure(hours * price, 2)} at ${figure(price, 2)} per GPU-hour" if price else ""
     link = f"; link assumed: {speed.link}, {speed.link_gbs:g} GB/s per direction" if step.world_size > 1 else ""
+    ramp = (
+        f" (the first {cfg.batch_warmup_steps:,} ramping 1 -> {cfg.grad_accum} micro-batches: "
+        f"{figure(run_seconds(step, cfg) / cfg.max_steps * 1e3)} ms a step on average)"
+        if cfg.batch_warmup_steps
+        else ""
+    )
     median, worst = ERROR_BAND
     return (
-        f"  {max_steps:,} steps = {duration(step.seconds * max_steps)} on {step.world_size} GPU"
+        f"  {cfg.max_steps:,} steps{ramp} = {duration(run_seconds(step, cfg))} on {step.world_size} GPU"
         f"{'s' if step.world_size > 1 else ''} = {figure(hours, 2)} GPU-hours{cost}{link}; "
         f"the plan's error against published runs: median {median:.0%}, worst {worst:.0%} (docs/performance.md)"
     )
 
 
-def describe(
-    step: StepTime, card_name: str, speed: Speed, max_steps: int, compiled: bool, price: float = 0.0
-) -> list[str]:
+def describe(step: StepTime, card_name: str, speed: Speed, cfg: TrainConfig) -> list[str]:
     """The step's lines of --plan (module docstring), its 8 most expensive kernels last."""
     p = {k: figure(v * 1e3) for k, v in step.parts.items()}
     per_gpu = f" ({count(step.tok_s_per_gpu)} per GPU)" if step.world_size > 1 else ""
@@ -73,8 +87,8 @@ def describe(
         f"optimizer {p['optimizer']}, communication {p['communication']} exposed, overhead {p['overhead']}; "
         f"{step.bound}-bound) -> {count(step.tok_s)} tok/s{per_gpu}, MFU {figure(step.mfu, 2)} "
         f"(HFU {figure(step.hfu, 2)})",
-        run_line(step, speed, max_steps, price),
-        f"  {step.launches:,} launches ({'compiled' if compiled else 'eager'}), "
+        run_line(step, speed, cfg),
+        f"  {step.launches:,} launches ({'compiled' if cfg.compile else 'eager'}), "
         f"CPU side {figure(step.cpu_seconds * 1e3)} ms; the 8 most expensive kernels:",
     ]
     for k in step.kernels[:8]:
@@ -85,7 +99,7 @@ def describe(
     return lines
 
 
-def to_json(step: StepTime, max_steps: int, price: float = 0.0) -> dict:
+def to_json(step: StepTime, cfg: TrainConfig) -> dict:
     """The keys --plan-json adds, unrounded."""
     return {
         "step_ms": step.seconds * 1e3,
@@ -97,8 +111,9 @@ def to_json(step: StepTime, max_steps: int, price: float = 0.0) -> dict:
         "cpu_ms": step.cpu_seconds * 1e3,
         "time_parts": {k: v * 1e3 for k, v in step.parts.items()},
         "launches": step.launches,
-        "gpu_hours": gpu_hours(step, max_steps),
-        **({"cost_usd": gpu_hours(step, max_steps) * price} if price else {}),
+        "run_s": run_seconds(step, cfg),
+        "gpu_hours": gpu_hours(step, cfg),
+        **({"cost_usd": gpu_hours(step, cfg) * cfg.plan_price} if cfg.plan_price else {}),
         "error_band": {"median": ERROR_BAND[0], "worst": ERROR_BAND[1]},
         "kernels": [
             {
