@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,12 @@ import pytest
 import torch
 
 from fastpt.prepare import prepare
+
+# A shell without job control starts a background job (`pytest ... &`) with SIGINT ignored, and every
+# process it starts inherits that: the Ctrl-C tests' processes would never see their signal. A handler
+# set here is reset to the default in each child at exec, so they get Python's KeyboardInterrupt again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parents[1]
 
