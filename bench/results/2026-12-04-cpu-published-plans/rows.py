@@ -60,3 +60,48 @@ ROWS += [
     ("h200-compiled-64x1", "h200", 1, H200 + " --compile --micro-batch 64 --grad-accum 1"),
 ]
 ROWS += [("p004-eager", "h100-80", 1, "--preset 0.04b"), ("p004-compiled", "h100-80", 1, "--preset 0.04b --compile")]
+# torchtitan (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, commit 820504e2; the same
+# tables as docs/performance.md at d4c86e37): Llama 3.1 8B (dim 4096, 32 layers, 32 heads, 8 KV heads,
+# FFN 14336, vocab 128256, RoPE theta 500000, untied), seq 8192, local batch 2, FSDP2, bf16, selective AC
+# (train_configs/llama3_8b.toml at 9dec370: selective_ac_option 'op'; fastpt's nearest: every other block)
+LLAMA3_8B = (
+    shape(4096, 32, 32, 128256, 8192, 2, 1, f=14336)
+    + " --n-kv-heads 8 --rope-theta 500000 --no-tie-embeddings --parallel fsdp --activation-checkpointing selective"
+)
+ROWS += [
+    ("tt8b-h100-fsdp", "h100-80", 8, LLAMA3_8B),
+    ("tt8b-h100-fsdp-compile", "h100-80", 8, LLAMA3_8B + " --compile"),
+]
+# Apart from the band (planned for reference): the same 8B on 128 H100s (16 hosts, RDMA between them:
+# fastpt prices every collective over one host's NVLink), and torchtitan's first published numbers
+# (docs/performance.md at 1ea476e9, April 2024: 64 A100 80GB, 8 hosts, eager, local batch 1 x 8192;
+# 8B with selective layer AC, 70B with full AC: dim 8192, 80 layers, 64 heads, 8 KV heads, FFN 28672)
+LLAMA3_70B = (
+    shape(8192, 80, 64, 128256, 8192, 1, 1, f=28672)
+    + " --n-kv-heads 8 --rope-theta 500000 --no-tie-embeddings --parallel fsdp --activation-checkpointing full"
+)
+ROWS += [
+    ("tt8b-h100x128-fsdp", "h100-80", 128, LLAMA3_8B),
+    ("tt8b-h100x128-fsdp-compile", "h100-80", 128, LLAMA3_8B + " --compile"),
+    ("tt8b-a100x64-fsdp", "a100-80", 64, LLAMA3_8B.replace("--micro-batch 2", "--micro-batch 1")),
+    ("tt70b-a100x64-fsdp", "a100-80", 64, LLAMA3_70B),
+]
+# the same page's Llama 2 rows (64 A100 80GB, eager, seq 4096, vocab 32000, RoPE theta 10000): 13B (dim 5120,
+# 40 layers, 40 heads, FFN 13824) at local batch 2, 70B (dim 8192, 80 layers, 64 heads, 8 KV heads, FFN 28672)
+LLAMA2 = " --no-tie-embeddings --parallel fsdp --activation-checkpointing"
+ROWS += [
+    ("tt-l2-13b-a100x64-none", "a100-80", 64, shape(5120, 40, 40, 32000, 4096, 2, 1, f=13824) + LLAMA2 + " none"),
+    ("tt-l2-13b-a100x64-sel", "a100-80", 64, shape(5120, 40, 40, 32000, 4096, 2, 1, f=13824) + LLAMA2 + " selective"),
+    (
+        "tt-l2-70b-a100x64-sel",
+        "a100-80",
+        64,
+        shape(8192, 80, 64, 32000, 4096, 1, 1, f=28672) + " --n-kv-heads 8" + LLAMA2 + " selective",
+    ),
+    (
+        "tt-l2-70b-a100x64-full",
+        "a100-80",
+        64,
+        shape(8192, 80, 64, 32000, 4096, 2, 1, f=28672) + " --n-kv-heads 8" + LLAMA2 + " full",
+    ),
+]
