@@ -5,14 +5,15 @@ defaults, the preset's batch and the CPU profile, below a TOML file and explicit
 untied embedding without weight decay, warmup-stable-decay to zero with the 1 - sqrt cooldown
 (Hägele et al. 2024), and QK-norm (Qwen3, OLMo 2). In the race (docs/recipes.md) it reaches the
 seed's loss in 0.29x and 0.20x the tokens on two corpora and beats Muon alone on both; at 4.3x the
-parameters (one seed, the default corpus) in 0.31x, so the win shrinks with the model. Without
-Muon or the untied embedding it loses 0.08-0.21 nats on both corpora; without WSD-sqrt or QK-norm
-it stays within the noise on at least one (one budget; docs/recipes.md, round 4).
+parameters (one seed, the default corpus) in 0.31x, so the win shrinks with the model. Round 4's
+ablation (3 budgets, 3 seeds, both corpora; docs/recipes.md): without Muon it loses 0.20-0.21 nats
+at the full budget, without the untied embedding 0.08-0.12, without QK-norm and WSD together 0.05,
+each beyond 2 SE on both corpora; QK-norm or WSD alone is within the noise on at least one.
 Zero-initialized output projections lost an earlier race and are left out. `modern-relu2`,
 `modern-softcap` and `modern-unet` are modern with one more option each (squared-ReLU MLP, logit
-soft-cap 15, U-net skips): candidates, not members. A first screen (both corpora, 3 seeds, one
-budget; docs/recipes.md) found none better than modern: U-net and the soft-cap within the noise,
-squared ReLU worse by 0.03-0.05 nats, the batch warm-up +0.02-0.03 for 9.5% fewer tokens."""
+soft-cap 15, U-net skips): candidates, not members. None beat modern in the ablation: U-net, the
+soft-cap and a batch warm-up within the noise, squared ReLU worse (+0.04-0.05 nats at the full
+budget)."""
 
 from __future__ import annotations
 
