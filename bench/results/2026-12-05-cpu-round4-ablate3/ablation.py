@@ -43,12 +43,12 @@ def rows(corpus: str) -> tuple[dict[str, dict], dict]:
     return {row["recipe"]: row for result in results for row in result["rows"]}, results[0]
 
 
-def versus_modern(row: dict, modern: dict) -> list[tuple[float, float, float]]:
-    """(fraction, difference, 2 SE) per budget: row's mean minus modern's."""
+def versus_modern(row: dict, modern: dict) -> list[tuple[float, float]]:
+    """(difference, 2 SE) per budget, smallest first: row's mean minus modern's."""
     out = []
-    for mine, theirs in zip(row["budgets"], modern["budgets"], strict=True):
-        diff, se = difference(mine, theirs)  # theirs - mine: positive when row is lower
-        out.append((mine["fraction"], -diff, 2 * se))
+    for theirs, mine in zip(modern["budgets"], row["budgets"], strict=True):
+        diff, se = difference(theirs, mine)  # mine - theirs: positive when row is worse
+        out.append((diff, 2 * se))
     return out
 
 
@@ -69,8 +69,8 @@ def main() -> None:
         for c in CORPORA:
             by_name, _ = races[c]
             diffs = versus_modern(by_name[name], by_name["modern"])
-            cells.append(" / ".join(cell(d, s) for _, d, s in diffs))
-            _, d, s = diffs[-1]
+            cells.append(" / ".join(cell(d, s) for d, s in diffs))
+            d, s = diffs[-1]
             worse.append(d > s)
             better.append(-d > s)
         if name in PARTS:
