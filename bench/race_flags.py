@@ -85,6 +85,7 @@ def check_args(args: argparse.Namespace) -> None:
         "--speed-steps": 1,
         "--eval-tokens": 1,
         "--threads": 1,
+        "--jobs": 1,
     }
     for flag, low in least.items():
         if (value := getattr(args, flag[2:].replace("-", "_"))) < low:

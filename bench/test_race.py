@@ -8,6 +8,8 @@ import json
 import math
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -260,6 +262,35 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
         "(n=3)",
     ):
         assert needed in md, needed
+
+
+def test_jobs_trains_runs_at_once_and_records_them_as_one_at_a_time_would(tmp_path, monkeypatch):
+    """--jobs 2: two runs in flight at a time (never more), and the same runs, in the same order,
+    with the same results as --jobs 1."""
+    lock, flying, most = threading.Lock(), [0], [0]
+
+    def slow_stand_in(*given, **kwargs) -> dict:
+        with lock:
+            flying[0] += 1
+            most[0] = max(most[0], flying[0])
+        time.sleep(0.05)
+        with lock:
+            flying[0] -= 1
+        return stand_in(*given)
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race, "run", slow_stand_in)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed,muon", "--speed-rounds", "0"]
+    results = {}
+    for jobs in (1, 2):
+        most[0] = 0
+        out = tmp_path / f"out{jobs}"
+        assert race.main([*argv, "--jobs", str(jobs), "--work", str(tmp_path / f"w{jobs}"), "--save", str(out)]) == 0
+        assert most[0] == jobs
+        (results[jobs],) = json.loads((out / "race.json").read_text())["corpora"].values()
+    assert results[1]["runs"] == results[2]["runs"] and results[1]["rows"] == results[2]["rows"]
+    assert race.main([*argv, "--jobs", "0"]) == 2
 
 
 def test_a_budget_counts_the_tokens_its_runs_trained(tmp_path, monkeypatch):
