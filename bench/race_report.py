@@ -65,9 +65,9 @@ def budget_text(b: dict) -> str:
     return f"{b['mean']:.4f}" + (f" ± {b['sd']:.4f}" if b["sd"] is not None else "") + f" (n={len(b['seeds'])})"
 
 
-def vs_seed_text(row: dict) -> str:
-    v = row["vs_seed"]
-    if row["recipe"] == "seed":
+def vs_baseline_text(row: dict, baseline: str) -> str:
+    v = row["vs_baseline"]
+    if row["recipe"] == baseline:
         return "–"
     se = f" ± {2 * v['se']:.3f}" if v["se"] is not None else " (one seed: no verdict)"
     return f"{-v['diff']:+.3f}{se}" + (" **beats**" if v["beats"] else "")
@@ -87,7 +87,7 @@ def results_table(result: dict) -> str:
             flags_text(r["recipe_flags"]),
             lr_text(r),
             *(budget_text(b) for b in r["budgets"]),
-            vs_seed_text(r),
+            vs_baseline_text(r, result["baseline"]),
             ratio_text(r["tokens_to_target"], r["tokens_vs_seed"], ",.0f", bound=r["below_range"]),
             ratio_text(r["seconds_to_target"], r["seconds_vs_seed"], ".1f", " s", bound=r["below_range"]),
             fmt(r["speed_tok_s"], ",.0f"),
@@ -99,7 +99,7 @@ def results_table(result: dict) -> str:
         "flags",
         "LR (multiplier: peaks)",
         *(f"final val loss at {f:g}x budget (mean ± sd)" for f in fractions),
-        "vs seed at 1x (± 2 SE)",
+        f"vs {result['baseline']} at 1x (± 2 SE)",
         "tokens to target",
         "train time to target",
         "train tok/s",
@@ -158,8 +158,8 @@ def goal_lines(result: dict) -> list[str]:
 
 
 def corpus_section(name: str, result: dict) -> str:
-    combo, seed = result["best"], result["rows"][0]["budgets"][-1]
-    members = " + ".join(combo["members"]) or "none (no option beat the seed by more than 2 SE)"
+    combo, seed, base = result["best"], result["rows"][0]["budgets"][-1], result["baseline"]
+    members = " + ".join(combo["members"]) or f"none (no option beat {base} by more than 2 SE)"
     edge = [r["recipe"] for r in result["rows"] if r["lr_at_edge"]]
     lines = [
         f"## {name} ({result['data']}, vocab {result['vocab']:,})",
@@ -170,7 +170,7 @@ def corpus_section(name: str, result: dict) -> str:
         + ", ".join(f"{b['fraction']:g}x ({b['steps']:,} steps)" for b in result["rows"][0]["budgets"])
         + ".",
         f"Target: the seed's mean final val loss at the full budget, {budget_text(seed)}.",
-        f"Best combination of the options (`seed` and `modern` are none): {members}"
+        f"Best combination of the options on `{base}` (`seed` and `modern` are none): {members}"
         + (f" (`{' '.join(combo['flags'])}`)" if combo["flags"] else "")
         + ".",
         *goal_lines(result),

@@ -247,7 +247,8 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
         assert all(b["sd"] == pytest.approx(0.01) for b in row["budgets"])
     assert r["target_val_loss"] == seed["budgets"][-1]["mean"] and seed["tokens_to_target"] == r["tokens"]
     quarter, half = (b["tokens"] for b in muon["budgets"][:2])
-    assert quarter < muon["tokens_to_target"] < half and muon["vs_seed"]["beats"] and r["best"]["members"] == ["muon"]
+    assert quarter < muon["tokens_to_target"] < half and muon["vs_baseline"]["beats"]
+    assert r["best"]["members"] == ["muon"]
     assert muon["seconds_vs_seed"] == pytest.approx(2 * muon["tokens_vs_seed"])  # half the seed's tok/s
     given = ["--multiplier", "seed=2", "--multiplier", "muon=1", "--work", str(tmp_path / "given")]
     assert race.main([*argv, *given, "--save", str(tmp_path / "given-out")]) == 0
@@ -262,6 +263,49 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
         "(n=3)",
     ):
         assert needed in md, needed
+
+
+def test_an_ablation_combines_what_beats_its_baseline_on_the_baselines_flags():
+    """--baseline modern: the options beating modern by 2 SE join it by their own flags (those after
+    modern's); an option whose own flags clash (another --recipe) stays out, as do worse ones. On the
+    seed's baseline, the same rows give what beat the seed."""
+
+    def row(name: str, flags: str, mean: float) -> dict:
+        seeds = [{"seed": s, "final_val_loss": mean + d} for s, d in ((1, -0.01), (2, 0.0), (3, 0.01))]
+        return {"recipe": name, "recipe_flags": flags.split(), "budgets": [{"mean": mean, "sd": 0.01, "seeds": seeds}]}
+
+    rows = {
+        "seed": row("seed", "", 4.2),
+        "modern": row("modern", "--recipe modern", 3.6),
+        "mx": row("mx", "--recipe modern-unet", 3.4),
+        "mu": row("mu", "--recipe modern --unet-skips", 3.5),
+        "ms": row("ms", "--recipe modern --logit-softcap 15", 3.55),
+        "mr": row("mr", "--recipe modern --mlp relu2", 3.7),
+    }
+    on_modern = race.best_combination(rows, "modern")
+    assert on_modern == {"members": ["mu", "ms"], "flags": "--recipe modern --unet-skips --logit-softcap 15".split()}
+    assert race.best_combination(rows) == {"members": ["mx"], "flags": ["--recipe", "modern-unet"]}
+
+
+def test_the_baseline_is_every_rows_comparison(tmp_path, monkeypatch, capsys):
+    """--baseline muon: each row's difference is against Muon's full budget (the seed loses to it), the
+    table says so, the target stays the seed's; a baseline not in the race is refused first."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race, "run", stand_in)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed,muon", "--speed-rounds", "1"]
+    argv += ["--multiplier", "seed=4", "--multiplier", "muon=2", "--work", str(tmp_path / "w")]
+    assert race.main([*argv, "--baseline", "muon", "--save", str(tmp_path / "out")]) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    seed, muon = r["rows"]
+    assert r["baseline"] == "muon" and r["target_val_loss"] == seed["budgets"][-1]["mean"]
+    assert seed["vs_baseline"]["diff"] == pytest.approx(muon["budgets"][-1]["mean"] - seed["budgets"][-1]["mean"])
+    assert seed["vs_baseline"]["diff"] < 0 and not seed["vs_baseline"]["beats"] and muon["vs_baseline"]["diff"] == 0
+    md = (tmp_path / "out" / "race.md").read_text()
+    assert "vs muon at 1x (± 2 SE)" in md and "none (no option beat muon by more than 2 SE)" in md
+    capsys.readouterr()
+    assert race.main([*argv, "--baseline", "modern"]) == 2
+    assert "--baseline 'modern': not a recipe of this race (seed, muon)" in capsys.readouterr().err
 
 
 def test_jobs_trains_runs_at_once_and_records_them_as_one_at_a_time_would(tmp_path, monkeypatch):
