@@ -1,6 +1,7 @@
 """Trains the 4x scale race's runs two at a time through bench race's own Race.one (the command
 race.md's collation reads back with --reuse), and writes the record --reuse needs for the runs a
 committed results folder already holds (their metrics.jsonl and process wall, the command rebuilt)."""
+
 import json
 import shutil
 import sys
