@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, sync
-from fastpt import kernels
 from fastpt.hf import write_json
+from fastpt.kernels import api as kernels
 from fastpt.kernels import reference
 
 EPS = 1e-6

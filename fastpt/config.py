@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from fastpt import float8, kernels
+from fastpt import float8
 from fastpt.errors import ConfigError, suggest
+from fastpt.kernels import api as kernels
 from fastpt.plan import gpus
 from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, shape_keys
 from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names

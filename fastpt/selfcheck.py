@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from fastpt import kernels
 from fastpt.config import DTYPES, ModelConfig, TrainConfig
 from fastpt.distributed import Dist, param_dtype
 from fastpt.errors import FastptError
+from fastpt.kernels import api as kernels
 from fastpt.kernels import selftest
 
 

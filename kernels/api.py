@@ -1,4 +1,5 @@
-"""The public ops: each picks the Triton kernel or the pure-PyTorch reference per call.
+"""fastpt.kernels' public ops (`from fastpt.kernels import api as kernels`): each picks the Triton kernel or
+the pure-PyTorch reference per call.
 
 Every op takes ``backend``: "auto" runs the Triton kernels on CUDA tensors and the reference on
 CPU tensors, unless TRITON_INTERPRET=1 is set, which runs the kernels on CPU through Triton's

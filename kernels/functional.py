@@ -4,7 +4,7 @@ Every op is a `torch.library.custom_op` with a fake (shape-only) implementation,
 the autograd path register their backward, so torch.compile(fullgraph=True) keeps each in the
 graph as one opaque call; all of them pass torch.library.opcheck. None is twice differentiable:
 a backward run with create_graph=True raises. The Triton modules are imported inside the op
-bodies, so `import fastpt.kernels` does not import triton. TRITON_INTERPRET must be set before triton
+bodies, so `import fastpt.kernels.api` does not import triton. TRITON_INTERPRET must be set before triton
 is first imported: triton.jit reads it when a function is decorated, triton.language's own included.
 """
 
@@ -13,8 +13,8 @@ from torch import Tensor
 
 from .reference import reduce_rows
 
-# The ops' namespace. The folder imports only as fastpt.kernels (kernels/__init__.py), so these
-# are registered once.
+# The ops' namespace. The folder is fastpt.kernels (a top-level `import kernels` never loads it), so
+# these are registered once.
 NAMESPACE = "fastpt"
 
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastpt import kernels
 from fastpt.kernels import api, reference, scratch
 
 OPS_MODULES = (
@@ -26,7 +25,7 @@ OPS_MODULES = (
     "fastpt.kernels.ops.linear_cross_entropy",
     "fastpt.kernels.ops.rms_norm",
 )
-cuda = pytest.mark.skipif(not torch.cuda.is_available() or kernels.interpreting(), reason="needs CUDA, no interpreter")
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or api.interpreting(), reason="needs CUDA, no interpreter")
 KERNELS = {
     "rms_norm": ("_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"),
     "cross_entropy": ("_cross_entropy_kernel",),
@@ -130,8 +129,8 @@ def _check_op(
     same call with backend="torch"); with return_z_loss, the z-loss term too."""
     ours = _leaves(*inputs)
     ref = _leaves(*inputs, dtype=torch.float64)
-    out = getattr(kernels, op)(*ours, *args, backend=backend, **kwargs)
-    expected = getattr(kernels, op)(*ref, *args, backend="torch", **kwargs)
+    out = getattr(api, op)(*ours, *args, backend=backend, **kwargs)
+    expected = getattr(api, op)(*ref, *args, backend="torch", **kwargs)
     if kwargs.get("return_z_loss"):
         (out, z), (expected, z_expected) = out, expected
         assert not z.requires_grad
@@ -215,7 +214,7 @@ def test_cross_entropy_inplace_backward_reuses_the_logits(ops):
     before = logits.detach().clone()
     grads = []
     logits.register_hook(grads.append)
-    loss = kernels.cross_entropy(logits, target, z_loss=1e-2, inplace_backward=True, backend="triton")
+    loss = api.cross_entropy(logits, target, z_loss=1e-2, inplace_backward=True, backend="triton")
     assert torch.equal(logits.detach(), before)
     loss.backward(retain_graph=True)
     assert grads[0].data_ptr() == logits.data_ptr()
@@ -229,12 +228,12 @@ def test_cross_entropy_inplace_backward_reuses_the_logits(ops):
 
     logits = x * 2
     saved = logits.pow(2).sum()  # pow saves its input; made first, its backward runs after the loss's
-    loss = kernels.cross_entropy(logits, target, inplace_backward=True, backend="triton")
+    loss = api.cross_entropy(logits, target, inplace_backward=True, backend="triton")
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (loss + saved).backward()
 
     leaf = (2 * x).detach().requires_grad_()  # a leaf's .grad is its own memory too, not a copy
-    kernels.cross_entropy(leaf, target, z_loss=1e-2, inplace_backward=True, backend="triton").backward()
+    api.cross_entropy(leaf, target, z_loss=1e-2, inplace_backward=True, backend="triton").backward()
     assert leaf.grad.data_ptr() == leaf.data_ptr()
     _assert_close(leaf.grad, xr.grad / 2)
 
@@ -350,7 +349,7 @@ def test_double_backward_refused(ops, op):
     inputs = [torch.randn(4, 64), torch.randn(100, 64)] if op == "linear_cross_entropy" else [torch.randn(4, 64)]
     inputs = _leaves(*inputs)
     args = (torch.ones(64),) if op == "rms_norm" else (_targets(4, 64 if op == "cross_entropy" else 100, 0),)
-    out = getattr(kernels, op)(*inputs, *args, backend="triton")
+    out = getattr(api, op)(*inputs, *args, backend="triton")
     torch.autograd.grad(out.sum(), inputs, retain_graph=True)  # first order is fine
     with pytest.raises(RuntimeError, match=f"fastpt::{op}: double backward"):
         torch.autograd.grad(out.sum(), inputs, create_graph=True)
@@ -421,34 +420,32 @@ def test_auto_runs_triton_under_interpreter(ops, monkeypatch):
             spies[name] = _CountingKernel(getattr(getattr(ops, module), name))
             monkeypatch.setattr(getattr(ops, module), name, spies[name])
     x, w, t = torch.randn(4, 64, requires_grad=True), torch.randn(100, 64, requires_grad=True), _targets(4, 100, 0)
-    h = kernels.rms_norm(x, torch.ones(64))
-    (kernels.linear_cross_entropy(h, w, t) + 0.5 * kernels.cross_entropy(h @ w.T, t)).backward()
+    h = api.rms_norm(x, torch.ones(64))
+    (api.linear_cross_entropy(h, w, t) + 0.5 * api.cross_entropy(h @ w.T, t)).backward()
     launches = {name: spy.launches for name, spy in spies.items()}
     assert all(launches.values()), launches
-    kernels.rms_norm(x, torch.ones(64), backend="torch")
+    api.rms_norm(x, torch.ones(64), backend="torch")
     monkeypatch.delenv("TRITON_INTERPRET")
-    kernels.rms_norm(x, torch.ones(64))  # a CPU tensor without the interpreter: the reference
+    api.rms_norm(x, torch.ones(64))  # a CPU tensor without the interpreter: the reference
     assert launches == {name: spy.launches for name, spy in spies.items()}
 
 
 def test_bad_arguments(monkeypatch):
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="'cuda'"):
-        kernels.rms_norm(x, torch.ones(8), backend="cuda")
+        api.rms_norm(x, torch.ones(8), backend="cuda")
     for backend in api.BACKENDS[1:]:  # checked before a backend is chosen: each refuses alike
         with pytest.raises(ValueError, match="'avg'"):
-            kernels.cross_entropy(x, torch.zeros(2, dtype=torch.long), reduction="avg", backend=backend)
+            api.cross_entropy(x, torch.zeros(2, dtype=torch.long), reduction="avg", backend=backend)
         with pytest.raises(ValueError, match="logits must be 2-D"):
-            kernels.cross_entropy(x[None], torch.zeros(1, 2, dtype=torch.long), backend=backend)
+            api.cross_entropy(x[None], torch.zeros(1, 2, dtype=torch.long), backend=backend)
         with pytest.raises(ValueError, match="input must be 2-D"):
-            kernels.linear_cross_entropy(
-                x[None], torch.ones(3, 8), torch.zeros(1, 2, dtype=torch.long), backend=backend
-            )
+            api.linear_cross_entropy(x[None], torch.ones(3, 8), torch.zeros(1, 2, dtype=torch.long), backend=backend)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not torch.cuda.is_available():
-        assert not kernels.available()
+        assert not api.available()
     with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
-        kernels.rms_norm(x, torch.ones(8), backend="triton")
+        api.rms_norm(x, torch.ones(8), backend="triton")
 
 
 def test_reference_z_loss():
@@ -482,10 +479,10 @@ class _Head(torch.nn.Module):
         self.backend = backend
 
     def forward(self, h, target):
-        h = kernels.rms_norm(h, self.norm_weight, backend=self.backend)
-        loss = kernels.linear_cross_entropy(h.flatten(0, 1), self.embedding, target, z_loss=1e-3, backend=self.backend)
+        h = api.rms_norm(h, self.norm_weight, backend=self.backend)
+        loss = api.linear_cross_entropy(h.flatten(0, 1), self.embedding, target, z_loss=1e-3, backend=self.backend)
         logits = h[:, -1] @ self.embedding.T
-        last = kernels.cross_entropy(
+        last = api.cross_entropy(
             logits, target[: logits.shape[0]], z_loss=1e-3, inplace_backward=True, backend=self.backend
         )
         return loss + last
@@ -560,7 +557,7 @@ def test_autocast_linear_cross_entropy_cuda():
     w = (torch.randn(5000, 256, device="cuda") / 16).requires_grad_()
     target = _targets(1024, 5000, 0.1, "cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = kernels.linear_cross_entropy(x, w, target)
+        loss = api.linear_cross_entropy(x, w, target)
     loss.backward()
     assert loss.dtype == torch.float32 and w.grad.dtype == torch.float32
     xr, wr = _leaves(x, w, dtype=torch.float64)
@@ -589,7 +586,7 @@ def test_linear_cross_entropy_memory_cuda():
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(v, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     target = _targets(n, v, 0.0, "cuda")
-    extra = _extra_gib(lambda: kernels.linear_cross_entropy(x, w, target, z_loss=1e-4).backward())
+    extra = _extra_gib(lambda: api.linear_cross_entropy(x, w, target, z_loss=1e-4).backward())
     chunk_and_fp32_dw = (4096 * v * 2 + v * d * 4) / 2**30  # 0.31 GiB
     assert extra < chunk_and_fp32_dw + 0.15, f"{extra:.2f} GiB"  # + the gradients returned, 0.05 GiB
 
@@ -604,7 +601,7 @@ def test_cross_entropy_inplace_memory_cuda():
     target = _targets(n, v, 0.1, "cuda")
     for inplace in (False, True):
         logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        extra = _extra_gib(lambda: kernels.cross_entropy(logits, target, inplace_backward=inplace).backward())
+        extra = _extra_gib(lambda: api.cross_entropy(logits, target, inplace_backward=inplace).backward())
         if inplace:
             assert extra < 0.05 * logits_gib and logits.grad.data_ptr() == logits.data_ptr(), f"{extra:.3f} GiB"
         else:

@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastpt import distributed, kernels, muon
+from fastpt import distributed, muon
 from fastpt.checkpoint import resumed_model
 from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, check_runtime, resolve
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
 from fastpt.hf import from_hf_config, is_hf_dir, not_hf_dir, read_json
+from fastpt.kernels import api as kernels
 from fastpt.plan import report, timing, torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
 from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, cublas_workspaces, scratch_table, speed_of
