@@ -37,6 +37,7 @@ class Dist:
     local_rank: int = 0
     world_size: int = 1
     peers: list = field(default_factory=list)  # (hostname, pid) of every rank, to name one that dies
+    store: object = field(default=None, repr=False)  # torchrun's rendezvous store (connect), None for one process
 
     @property
     def enabled(self) -> bool:
@@ -86,8 +87,11 @@ def one_process_warning(parallel: str, d: Dist) -> str:
     )
 
 
-def setup(device_type: str) -> Dist:
-    """Join the torchrun process group (nccl on CUDA, gloo on CPU); a plain run is world size 1."""
+def connect(device_type: str) -> Dist:
+    """This process's place in the torchrun group before the group exists: its rank and device, and
+    the rendezvous store every rank shares (`share`), so that the ranks can agree (on the kernels'
+    check) before --micro-batch auto plans, which must come before the process group (its plan
+    builds a fake one). A plain run is world size 1, with no store."""
     if device_type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if "RANK" not in os.environ:
@@ -95,21 +99,42 @@ def setup(device_type: str) -> Dist:
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     if device_type == "cuda":
         torch.cuda.set_device(d.local_rank)
-    timeout = datetime.timedelta(seconds=float(os.environ.get("FASTPT_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
+    store, _, _ = next(dist.rendezvous("env://", rank=d.rank, world_size=d.world_size, timeout=_timeout()))
     # The store's keys of an attempt torchrun restarted must not meet the dead attempt's (a rank that
     # read its peer's old address would fail to connect to it): one key prefix per attempt.
-    store, _, _ = next(dist.rendezvous("env://", rank=d.rank, world_size=d.world_size, timeout=timeout))
-    store = dist.PrefixStore(f"fastpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    d.store = dist.PrefixStore(f"fastpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    return d
+
+
+def setup(d: Dist, device_type: str) -> Dist:
+    """Join the torchrun process group of `connect`'s `d` (nccl on CUDA, gloo on CPU)."""
+    if not d.enabled:
+        return d
     dist.init_process_group(
         backend="nccl" if device_type == "cuda" else "gloo",
-        store=store,
+        store=d.store,
         rank=d.rank,
         world_size=d.world_size,
-        timeout=timeout,
+        timeout=_timeout(),
     )
     d.peers = [None] * d.world_size
     dist.all_gather_object(d.peers, (socket.gethostname(), os.getpid()))
     return d
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("FASTPT_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
+
+
+def share(value: str, key: str, d: Dist) -> list[str]:
+    """Every rank's `value`, on every rank, in rank order, through the rendezvous store (no process
+    group needed): a rank that does not come within the collective timeout fails it."""
+    if not d.enabled:
+        return [value]
+    from torch.distributed.elastic.utils.store import synchronize  # one multi-get; rank 0 (the store) leaves last
+
+    got = synchronize(d.store, value.encode(), d.rank, d.world_size, f"{key}/", _timeout().total_seconds())
+    return [v.decode() for v in got]
 
 
 def _state(host: str, pid: int) -> str | None:

@@ -316,15 +316,15 @@ def run_tokens(cfg: TrainConfig, dash: Dashboard) -> int:
     return micro_batches(cfg, cfg.max_steps) * dash.tokens_per_step // cfg.grad_accum
 
 
-def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[str]:
-    """The lines a run starts with: where it writes and what it trains, on what data, and the
-    recipe's choices that differ from the seed's."""
+def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard, kernels: str) -> list[str]:
+    """The lines a run starts with: where it writes and what it trains (`kernels`: the kernels in
+    effect, selfcheck.Backend), on what data, and the recipe's choices that differ from the seed's."""
     peak, seq_len, device = dash.peak_flops, data.train.seq_len, dash.device
     return [
         f"run {cfg.out} | device {device_name(device)} x {dash.world_size} | "
         + (f"init from {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset}")
         + f" | params {params:,} | dtype {cfg.dtype} | compile {cfg.compile}{speed_choices(cfg)} | "
-        f"kernels {cfg.kernels} | threads {cfg.threads} | MFU "
+        f"kernels {kernels} | threads {cfg.threads} | MFU "
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"),
         f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
         f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "

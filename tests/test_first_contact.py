@@ -179,7 +179,7 @@ def test_threads_are_set_and_named_in_the_summary(tiny_data, tmp_path, capsys):
     finally:
         torch.set_num_threads(before)
     assert code == 0, err
-    assert "| kernels auto | threads 1 | MFU" in out
+    assert "| kernels torch (auto) | threads 1 | MFU" in out
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

@@ -186,14 +186,17 @@ def main(cli: dict, config_file: str | None) -> int:
     return 0
 
 
-def auto_micro_batch(cfg: TrainConfig) -> tuple[TrainConfig, str]:
+def auto_micro_batch(cfg: TrainConfig, kernels: str | None = None) -> tuple[TrainConfig, str]:
     """A run's --micro-batch auto, before it starts: the config with the chosen micro-batch and
-    grad_accum, and the line that says why (unchanged and '' without auto)."""
+    grad_accum, and the line that says why (unchanged and '' without auto). `kernels`, the backend
+    in effect (the reference's after a kernel failed its check: its loss materializes the logits),
+    is what the plan traces; the config keeps the --kernels asked for."""
     if cfg.micro_batch != AUTO:
         return cfg, ""
     gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    plan, why = fit_micro_batch_fsdp(cfg, cfg.device, world_size, gpu)
+    planned = dataclasses.replace(cfg, kernels=kernels or cfg.kernels)
+    plan, why = fit_micro_batch_fsdp(planned, cfg.device, world_size, gpu)
     if warning := unmodelled(plan):
         print(warning, file=sys.stderr, flush=True)
     chosen = dict(micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum)
