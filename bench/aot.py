@@ -3,7 +3,10 @@
 python -m bench aot [--sms N] [--markdown PATH]
 
 Each case calls a kernel launcher (kernels.ops) on meta tensors of the real shapes with the SM
-count planned for set to the H200's 132. Every `kernel[grid](...)` launch is intercepted: the
+count planned for set to the H200's 132, or runs a whole run's model over fake tensors with the
+kernels' custom ops running their launchers (`run_launches`: every launch the run makes, as
+fastpt.selfcheck records them; `probe_launches`: the self-check's probes of those). Every
+`kernel[grid](...)` launch is intercepted (its tensors as meta tensors laid out alike): the
 kernel goes through Triton's own JITFunction.run in warm-up mode (its binder decides the
 signature, the constexprs and the pointer / divisibility-by-16 specialization, as for a real
 launch) under a stand-in driver that reports an sm_90 device, so `triton.compile` builds the PTX
@@ -27,8 +30,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.library import CustomOpDef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import git_commit, markdown_table
+from fastpt import selfcheck
+from fastpt.cli import parse_args
+from fastpt.config import DTYPES, TrainConfig
+from fastpt.distributed import Dist, param_dtype
+from fastpt.kernels import api as kernels
+from fastpt.kernels import functional, selftest
+from fastpt.plan.planner import planned_config, planned_model
+from fastpt.presets import ModelConfig
 
 H200_SMS = 132
 # Per-SM limits of compute capability 9.0 (CUDA programming guide, "Technical Specifications").
@@ -58,6 +72,7 @@ class Compiled:
     global_stores: collections.Counter
     launches: int = 1  # launches that ran this compiled kernel (the chunks of a loop)
     key: str = ""  # Triton's cache key: launches with equal keys share one compile
+    signature: str = ""  # the arguments' types ("*bf16 *fp32 i32 ..."): with the constexprs, which launch this is
 
     @property
     def programs_per_sm(self) -> int:
@@ -132,7 +147,19 @@ def _inspect(kernel, grid: tuple, log: str, launches: int) -> Compiled:
         global_stores=_widths(sass, "STG"),
         launches=launches,
         key=kernel.hash,
+        signature=" ".join(t for t in kernel.src.signature.values() if t != "constexpr"),
     )
+
+
+def _meta(t: object) -> object:
+    """A fake or meta tensor as a meta tensor laid out alike (its offset included: Triton specializes
+    a pointer on its alignment); anything else as it is."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    with unset_fake_temporarily():
+        base = torch.empty(t.storage_offset() + extent, dtype=t.dtype, device=M)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 class _Intercepted:
@@ -143,6 +170,7 @@ class _Intercepted:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            args, kwargs = [_meta(a) for a in args], {k: _meta(v) for k, v in kwargs.items()}
             log = io.StringIO()
             with contextlib.redirect_stdout(log):  # ptxas's -v report, printed by Triton on request
                 kernel = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
@@ -191,6 +219,41 @@ def sm90(sms: int = H200_SMS):
         for module, attr, fn, caches in patches:
             fn.device_caches = caches
             setattr(module, attr, fn)
+
+
+class _RunBodies(TorchDispatchMode):
+    """fastpt's custom ops run their bodies (the launchers) on fake tensors instead of their fakes, so
+    that inside `sm90` every kernel a call would launch is intercepted; every other op as before."""
+
+    def __init__(self):
+        super().__init__()
+        ops = (op for op in vars(functional).values() if isinstance(op, CustomOpDef))
+        self.bodies = {op._qualname: op._init_fn for op in ops}  # torch's own names for them (private)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.bodies.get(func._schema.name, func)(*args, **(kwargs or {}))
+
+
+def planned(*flags: str) -> tuple[TrainConfig, ModelConfig]:
+    """The config and model of a GPU run of these fastpt.train flags, as --plan resolves them."""
+    cfg, _ = planned_config(parse_args(list(flags))[0], None)
+    return cfg, planned_model(cfg)
+
+
+def run_launches(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """The kernels a run of `cfg` launches at its own shapes: its model's training step (one block:
+    each launches alike) and evaluation's forward, as fastpt.selfcheck exercises them."""
+    params = param_dtype(Dist(world_size=cfg.plan_world_size), cfg.parallel, DTYPES[cfg.dtype])
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    with kernels.tracing_only():
+        selfcheck.exercise(cfg, mcfg, params, "triton", (cfg.micro_batch, seq_len), within=_RunBodies(), backward=True)
+
+
+def probe_launches(launches: list[selftest.Launch]) -> None:
+    """The kernels the self-check's probes of `launches` launch on a GPU (selftest.ROWS rows)."""
+    with FakeTensorMode(), kernels.tracing_only(), _RunBodies():
+        for launch in launches:
+            selftest.run(launch, selftest.probe_inputs(launch, torch.device("cpu"), selftest.ROWS), "triton", [])
 
 
 def _rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
@@ -243,6 +306,9 @@ def cases() -> dict[str, tuple[Callable[[], None], bool]]:
                 lambda d=d, v=v: _linear_cross_entropy(32768, d, v),
                 True,
             )
+    # Every launch of a whole run, as its model makes them: QK-norm's over the head size among them.
+    modern = ("--preset", "0.04b", "--recipe", "modern", "--dtype", "bf16", "--micro-batch", "16")
+    out["0.04b modern run 16x1024 bf16"] = (lambda: run_launches(*planned(*modern)), True)
     return out
 
 
