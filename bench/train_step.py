@@ -193,7 +193,7 @@ def build(setup: Setup, mode: Mode, backend: str | None = None) -> Run:
         step,
         loader,
         fastpt_model.num_params(),
-        fastpt_model.flops_per_token(setup.seq_len),
+        fastpt_model.cfg.flops_per_token(setup.seq_len),
         setup.micro_batch * setup.seq_len * setup.grad_accum,
         model,
         optimizer,

@@ -300,7 +300,3 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         """Parameters, the tied embedding/head counted once."""
         return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the matmuls plus 12*L*d*T for attention scores."""
-        return 6 * self.num_params() + 12 * self.cfg.n_layers * self.cfg.dim * seq_len

@@ -63,6 +63,15 @@ class ModelConfig:
         skips = self.n_layers // 2 if self.unet_skips else 0
         return self.vocab_size * d + self.n_layers * block + d + head + skips
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """MFU's numerator, the model's training FLOPs (forward and backward) per token whatever kernels
+        run: 6 x its parameters less a lookup-only (untied) input embedding, a gather with no matmul
+        (a tied one is the head's matrix, counted once), plus causal attention's scores and their
+        use, 6 x layers x dim x seq_len (half of PaLM's non-causal 12 L d T: a causal kernel skips the
+        masked half). The dashboard, --plan and `python -m bench` all call this."""
+        lookup = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return 6 * (self.num_params() - lookup) + 6 * self.n_layers * self.dim * seq_len
+
     @classmethod
     def from_dict(cls, saved: dict) -> ModelConfig:
         """A config as checkpoints store it (a field it lacks takes its default); a field this

@@ -104,7 +104,7 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
         write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
-        dash = Dashboard.for_run(cfg, net.raw.flops_per_token(seq_len), seq_len, device, d.world_size)
+        dash = Dashboard.for_run(cfg, net.raw.cfg.flops_per_token(seq_len), seq_len, device, d.world_size)
         introduce(cfg, data, net, dash, state.step, chosen, log)
         probe = cleanup.enter_context(closing(StepProbe(cfg, device, d.rank)))
         pace, exit_code = Pace(), 0
