@@ -143,8 +143,15 @@ class TrainConfig:
     warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
     batch_warmup_steps: int = setting(
         0,
-        "batch-size warm-up: micro-batches per step rise linearly from 1 to grad_accum over these first steps "
-        "(GPT-3's batch ramp); 0 = off",
+        "batch-size warm-up: the sequences per step rise linearly from batch_warmup_start to the full batch "
+        "(micro_batch x grad_accum) over these first steps (GPT-3's batch ramp); 0 = off",
+        domain=NON_NEGATIVE,
+        recipe=True,
+    )
+    batch_warmup_start: int = setting(
+        0,
+        "sequences per step (per rank) at the batch warm-up's first step; 0 = one micro-batch as configured "
+        "(the preset's under micro_batch auto, which then picks no larger one)",
         domain=NON_NEGATIVE,
         recipe=True,
     )
@@ -349,8 +356,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"'{name}' must be {domain}{finite}, got {value!r}")
     if cfg.warmup_steps > cfg.max_steps:
         raise ConfigError(f"'warmup_steps' ({cfg.warmup_steps}) is larger than 'max_steps' ({cfg.max_steps})")
-    if cfg.batch_warmup_steps and cfg.grad_accum == 1:
-        raise ConfigError("'batch_warmup_steps' ramps the micro-batches per step up to 'grad_accum', which is 1")
+    check_batch_warmup(cfg)
     if cfg.compile_mode != "default" and not cfg.compile:
         raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} needs --compile")
     if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.grad_accum > 1:
@@ -385,6 +391,37 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not cfg.init_from:  # a shape that cannot work fails now, not after the data is prepared
         dataclasses.replace(PRESETS[cfg.preset], **shape_keys(cfg)).check()
     return cfg
+
+
+def configured_micro_batch(cfg: TrainConfig) -> int:
+    """The micro-batch the config asks for: its own, or the preset's (the CPU profile's) when it says auto."""
+    if cfg.micro_batch != AUTO:
+        return cfg.micro_batch
+    return CPU_PROFILE["micro_batch"] if cfg.device == "cpu" else PRESET_BATCH.get(cfg.preset, (16, 0))[0]
+
+
+def check_batch_warmup(cfg: TrainConfig) -> None:
+    """A batch warm-up ramps within the run, from whole micro-batches to more sequences than it starts with."""
+    if not cfg.batch_warmup_steps:
+        if cfg.batch_warmup_start:
+            raise ConfigError("'batch_warmup_start' needs 'batch_warmup_steps' (the steps the batch ramps over)")
+        return
+    if cfg.batch_warmup_steps > cfg.max_steps:
+        raise ConfigError(
+            f"'batch_warmup_steps' ({cfg.batch_warmup_steps:,}) is larger than 'max_steps' ({cfg.max_steps:,})"
+        )
+    micro = configured_micro_batch(cfg)
+    start, full = cfg.batch_warmup_start or micro, micro * cfg.grad_accum
+    if start >= full:
+        raise ConfigError(
+            f"'batch_warmup_steps' ramps the batch from 'batch_warmup_start' = {start} sequences up to "
+            f"micro_batch x grad_accum = {micro} x {cfg.grad_accum} = {full}: nothing to ramp; raise grad_accum"
+        )
+    if cfg.micro_batch != AUTO and start < micro:
+        raise ConfigError(
+            f"'batch_warmup_start' = {start} sequences is less than one micro-batch ('micro_batch' = {micro}): "
+            "a step trains whole micro-batches"
+        )
 
 
 def wsd_decay_steps(cfg: TrainConfig) -> int:
@@ -443,6 +480,8 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str, run: dict
     cfg = TrainConfig(**merged)
     if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:
         cfg.warmup_steps = cfg.max_steps // 10  # a default warmup adapts to a short run
+    if cfg.batch_warmup_steps and not cfg.batch_warmup_start:  # fixed now: --micro-batch auto must keep it
+        cfg.batch_warmup_start = configured_micro_batch(cfg)
     return validate(cfg)
 
 

@@ -329,6 +329,11 @@ def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[
         f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
         f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
         f"{dash.world_size} ranks) | {cfg.max_steps:,} steps = {run_tokens(cfg, dash):,} tokens"
-        + (f" (a batch warm-up over the first {cfg.batch_warmup_steps:,})" if cfg.batch_warmup_steps else ""),
+        + (
+            f" (a batch warm-up from {cfg.batch_warmup_start} to {cfg.micro_batch * cfg.grad_accum} sequences "
+            f"per rank over the first {cfg.batch_warmup_steps:,})"
+            if cfg.batch_warmup_steps
+            else ""
+        ),
         f"recipe {cfg.recipe} | vs the seed's: " + (", ".join(recipe_choices(cfg, data.model_config)) or "none"),
     ]

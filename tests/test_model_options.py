@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from fastpt.errors import ConfigError
 from fastpt.metrics import Dashboard
 from fastpt.model import Transformer
 from fastpt.plan import planner
-from fastpt.step import StepResult, TrainState, accum_at
+from fastpt.step import StepResult, TrainState, accum_at, micro_batches
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
 OPTIONS = {"mlp": "relu2", "logit_softcap": 15.0, "unet_skips": True}
@@ -125,15 +126,44 @@ def test_a_run_with_every_option_resumes_and_refuses_export(tiny_data, tmp_path,
     assert not (tmp_path / "hf").exists()
 
 
-def test_the_batch_warmup_ramps_the_micro_batches_per_step_from_one_to_grad_accum():
-    cfg = TrainConfig(grad_accum=4, batch_warmup_steps=6)
+def test_the_batch_warmup_ramps_the_sequences_per_step_in_whole_micro_batches():
+    """From batch_warmup_start sequences to micro_batch x grad_accum, each step the whole
+    micro-batches within the ramp: from one micro-batch (the default start), or from 24 of 64."""
+    cfg = TrainConfig(micro_batch=16, grad_accum=4, batch_warmup_steps=6, batch_warmup_start=16)
     assert [accum_at(cfg, s) for s in range(8)] == [1, 1, 2, 2, 3, 3, 4, 4]
     assert {accum_at(TrainConfig(grad_accum=4), s) for s in range(3)} == {4}
+    cfg = TrainConfig(micro_batch=8, grad_accum=8, batch_warmup_steps=4, batch_warmup_start=24)
+    assert [accum_at(cfg, s) for s in range(5)] == [3, 4, 5, 6, 8]  # 24, 34, 44, 54 sequences, then 64
 
 
-def test_a_batch_warmup_without_accumulation_is_one_line(tiny_data, tmp_path, capsys):
-    args = tiny_args(tiny_data, tmp_path, batch_warmup_steps=2, grad_accum=1)
-    train_refuses(capsys, args, "'batch_warmup_steps'", "'grad_accum', which is 1")
+def test_a_ramps_totals_are_its_steps_summed_and_cost_no_loop():
+    """micro_batches (the summary's tokens, the plan's run time) is the sum of accum_at over the
+    steps, without a loop over them: a billion-step ramp is counted at once."""
+    for micro, accum, start, ramp, steps in [(16, 4, 16, 6, 9), (8, 8, 24, 4, 4), (3, 7, 5, 13, 20), (1, 5, 1, 1, 3)]:
+        cfg = TrainConfig(micro_batch=micro, grad_accum=accum, batch_warmup_steps=ramp, batch_warmup_start=start)
+        assert micro_batches(cfg, steps) == sum(accum_at(cfg, s) for s in range(steps))
+    big = TrainConfig(micro_batch=4, grad_accum=4, batch_warmup_steps=10**9, batch_warmup_start=4, max_steps=10**9)
+    t0 = time.perf_counter()
+    total = micro_batches(big, 10**9)
+    assert time.perf_counter() - t0 < 0.05
+    assert total == 10**9 + 999_999_999  # 1 + floor(3 s / 1e9): 1, 2 and 3 a third of the steps each
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(batch_warmup_steps=2, grad_accum=1), "nothing to ramp; raise grad_accum"),
+        (dict(batch_warmup_steps=10**9), "'batch_warmup_steps' (1,000,000,000) is larger than 'max_steps' (10,000)"),
+        (dict(batch_warmup_steps=5, batch_warmup_start=8, micro_batch=16), "'batch_warmup_start' = 8 sequences is "),
+        (dict(batch_warmup_start=8), "'batch_warmup_start' needs 'batch_warmup_steps'"),
+    ],
+    ids=["no-accumulation", "past-max-steps", "below-a-micro-batch", "start-alone"],
+)
+def test_a_batch_warmup_that_cannot_ramp_is_one_line(flags, message, tiny_data, tmp_path, capsys):
+    train_refuses(
+        capsys, tiny_args(tiny_data, tmp_path / "run", **{"max_steps": 10_000, "grad_accum": 4, **flags}), message
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_batch_warmup_run_counts_its_tokens_and_resumes_to_the_same_weights(tiny_data, tmp_path, capsys):
@@ -142,7 +172,8 @@ def test_a_batch_warmup_run_counts_its_tokens_and_resumes_to_the_same_weights(ti
     args = tiny_args(tiny_data, whole, max_steps=6, ckpt_every=3, micro_batch=2, grad_accum=4, batch_warmup_steps=4)
     code, out, err = run_main(train.main, args, capsys)
     assert code == 0, err
-    assert "6 steps = 960 tokens (a batch warm-up over the first 4)" in out  # 2 x 32 x (1+1+2+3+4+4)
+    # 2 x 32 x (1+1+2+3+4+4): from one micro-batch of 2 to 8 sequences
+    assert "6 steps = 960 tokens (a batch warm-up from 2 to 8 sequences per rank over the first 4)" in out
     shutil.copytree(whole, tmp_path / "resumed")
     (tmp_path / "resumed" / "ckpt_00000006.pt").unlink()
     resumed_args = [*args, "--out", str(tmp_path / "resumed"), "--resume"]

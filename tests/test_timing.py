@@ -238,7 +238,7 @@ def test_a_batch_warmup_is_priced_at_the_micro_batches_its_ramp_trains():
     assert planner.to_json(full)["run_s"] == pytest.approx(1000 * step.seconds)
     assert planner.to_json(ramp)["run_s"] == pytest.approx(1000 * step.seconds - left_out * per_micro)
     line = next(line for line in planner.describe(ramp) if line.startswith("  1,000 steps"))
-    assert "(the first 100 ramping 1 -> 4 micro-batches: " in line and " ms a step on average)" in line
+    assert "(the first 100 ramping 4 -> 16 sequences per rank: " in line and " ms a step on average)" in line
 
 
 def test_no_printed_figure_rounds_to_zero():
