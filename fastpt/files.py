@@ -42,16 +42,26 @@ def os_reason(e: BaseException) -> str:
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Call write(file) on a temp name, fsync, rename over path: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write_atomic_all({path: write})
+
+
+def write_atomic_all(writes: dict[Path, Callable[[IO[bytes]], object]]) -> None:
+    """write_atomic for several files at once: each `write(file)` goes to its temp name and is fsynced
+    before any is renamed into place, so a write the OS refuses (a full disk, `ulimit -f`) replaces none."""
+    tmps = {path: path.with_name(f".{path.name}.tmp{os.getpid()}") for path in writes}
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        for path, write in writes.items():
+            with open(tmps[path], "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+        for folder in {path.parent for path in writes}:
+            fsync_dir(folder)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
         raise
 
 

@@ -36,7 +36,7 @@ from conftest import (
     tiny_args,
     train_refuses,
 )
-from fastpt import checkpoint, metrics, train
+from fastpt import checkpoint, files, metrics, train
 from fastpt.data.shards import write_shard
 
 
@@ -439,13 +439,16 @@ def test_metrics_rewind_is_atomic(tmp_path, monkeypatch):
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
+    def rewind() -> None:  # as write_run_folder rewrites it
+        files.write_atomic(path, lambda f: f.write(metrics.rewound(path, 4)))
+
     monkeypatch.setattr(os, "replace", full_disk)
     before = path.read_text()
     with pytest.raises(OSError):
-        metrics.rewind(path, 4)
+        rewind()
     assert path.read_text() == before and not list(tmp_path.glob(".*tmp*"))
     monkeypatch.undo()
-    metrics.rewind(path, 4)
+    rewind()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
 
 
@@ -679,9 +682,10 @@ def test_a_damaged_or_fooled_token_id_cache_is_recomputed(tmp_path):
 KILLED_REWIND = """
 import os, signal, sys
 from pathlib import Path
-from fastpt import metrics
+from fastpt import files, metrics
 os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # the copy is complete, not yet renamed
-metrics.rewind(Path(sys.argv[1]), 4)
+path = Path(sys.argv[1])
+files.write_atomic(path, lambda f: f.write(metrics.rewound(path, 4)))  # as write_run_folder rewrites it
 """
 
 
@@ -724,6 +728,28 @@ def run_command_line(module: str, *args: str, fsize: int = 0) -> subprocess.Comp
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_a_resume_refused_by_a_file_size_limit_changes_nothing_in_the_run_folder(bpe_data, tmp_path):
+    """`ulimit -f 1` (issue 55): the resume's writes fail (EFBIG), and it stops before training. The run
+    folder's tokenizer.json (a BPE's, 21 KB: it was cut at 1 KiB, copied in place), metrics.jsonl and
+    config.toml are as they were, no temporary file is left, and the next resume, without the limit, runs."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(bpe_data, run_dir, max_steps=4, ckpt_every=2, log_every=1)
+    assert run_train(*args, "--max-steps", "2").returncode == 0
+    before = folder_bytes(run_dir)
+    assert before["tokenizer.json"] == (bpe_data / "tokenizer.json").read_bytes()
+    assert len(before["tokenizer.json"]) > 1024  # the limit falls inside it
+    limited = run_command_line("train", *args, "--resume", fsize=1024)
+    said = f"'out' = '{run_dir}': cannot write the run folder (File too large)"
+    assert_one_line_error(limited.returncode, limited.stderr, said)
+    after = folder_bytes(run_dir)
+    assert after.pop(".lock") and before.pop(".lock")  # each trainer writes its pid there
+    assert after == before
+    resumed = run_train(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def big_corpus(tmp_path: Path) -> Path:
