@@ -24,11 +24,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from bench.common import git_commit, markdown_table
+from fastpt.files import write_output
 
 H200_SMS = 132
 # Per-SM limits of compute capability 9.0 (CUDA programming guide, "Technical Specifications").
@@ -313,5 +313,5 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results)
     print(text)
     if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+        write_output(args.markdown, lambda f: f.write((text + "\n").encode()))
     return 0

@@ -43,6 +43,7 @@ from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import write_shard
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
+from fastpt.files import write_output
 from fastpt.hf import write_json
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             {"kind": "train_step", "losses_agree": agree, "markdown": table, "rows": [{**info, **r} for r in rows]},
         )
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        write_output(args.markdown, lambda f: f.write((table + "\n").encode()))
     return 0 if agree else 1
 
 

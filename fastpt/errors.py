@@ -36,6 +36,12 @@ class CheckpointError(FastptError, RuntimeError):
     """A checkpoint could not be written or read; the message names the file."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose bytes are proven wrong (a checksum mismatch, a file cut short or garbled,
+    another program's file): --resume skips it. Any other failure to read one (the OS refused, it
+    does not fit this code or config) is a plain CheckpointError, which stops and changes nothing."""
+
+
 class DiskError(FastptError):
     """The OS refused a write (a full disk, a read-only folder, a file-size limit); the message names
     the path and the OS's reason. Exit 1: the command line was right, the machine said no."""

@@ -217,8 +217,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, backend, checkpointed(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # U-net: one scalar per skip from block i's input to block L-1-i's output, starting at 1 (the 1-D init)
-        self.skip_weights = nn.Parameter(torch.ones(cfg.n_layers // 2)) if cfg.unet_skips else None
+        # U-net: one scalar per skip from block i's input to block L-1-i's output, starting at 1 (the 1-D init).
+        # One block has no pair: no parameter, rather than an empty one that never gets a gradient (so no
+        # optimizer state, which a resume then misses).
+        skips = cfg.n_layers // 2 if cfg.unet_skips else 0
+        self.skip_weights = nn.Parameter(torch.ones(skips)) if skips else None
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
-from fastpt.files import os_reason, write_atomic
+from fastpt.files import os_reason, write_output
 from fastpt.plan.gpus import GIB, Card, card, machine_card
 from fastpt.plan.planner import Plan, describe, gib, planned_config, to_json, trace, unmodelled
 
@@ -185,7 +185,9 @@ def main(cli: dict, config_file: str | None) -> int:
     if cfg.plan_json:
         text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
         try:
-            write_atomic(Path(cfg.plan_json), lambda f: f.write(text.encode()))
+            write_output(cfg.plan_json, lambda f: f.write(text.encode()))
+        except BrokenPipeError:  # `--plan-json /dev/stdout | head`: the reader has what it wanted (run_command)
+            raise
         except OSError as e:
             raise ConfigError(f"'plan_json' = {cfg.plan_json!r}: cannot write it ({os_reason(e)})") from None
     return 0
