@@ -52,6 +52,7 @@ from bench.race_flags import (
     given_multipliers,
     lr_flags,
     numbers,
+    own_flags,
     recipes,
     seed_size,
 )
@@ -207,8 +208,9 @@ class Race:
 def best_combination(rows: dict[str, dict | None], baseline: str = "seed") -> dict:
     """The options that beat the baseline at the full budget by more than two standard errors, lowest
     mean first, and the flags of the baseline with theirs: an option's own flags are what follows the
-    baseline's (`--recipe modern --unet-skips` on `modern`: `--unet-skips`); one that sets a flag the
-    baseline or a better option already set is left out (wsd-sqrt's --schedule after wsd's)."""
+    baseline's (`--recipe modern --unet-skips` on `modern`: `--unet-skips`; `--recipe modern-unet`
+    the same: race_flags.own_flags); one that sets a flag the baseline or a better option already
+    set is left out (wsd-sqrt's --schedule after wsd's)."""
     base = rows[baseline]
     winners = sorted(
         (
@@ -221,7 +223,7 @@ def best_combination(rows: dict[str, dict | None], baseline: str = "seed") -> di
     prefix = base["recipe_flags"]
     members, flags, taken = [], list(prefix), {f for f in prefix if f.startswith("--")}
     for r in winners:
-        own = r["recipe_flags"][len(prefix) :] if r["recipe_flags"][: len(prefix)] == prefix else r["recipe_flags"]
+        own = own_flags(r["recipe_flags"], prefix)
         names = {f for f in own if f.startswith("--")}
         if not names & taken:
             members.append(r["recipe"])

@@ -267,8 +267,9 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
 
 def test_an_ablation_combines_what_beats_its_baseline_on_the_baselines_flags():
     """--baseline modern: the options beating modern by 2 SE join it by their own flags (those after
-    modern's); an option whose own flags clash (another --recipe) stays out, as do worse ones. On the
-    seed's baseline, the same rows give what beat the seed."""
+    modern's, or what a `modern-*` recipe adds to modern: `--recipe modern-unet` is `--unet-skips`);
+    one whose own flags clash (another recipe, or a flag a better one set) stays out, as do worse
+    ones. On the seed's baseline, the same rows give what beat the seed."""
 
     def row(name: str, flags: str, mean: float) -> dict:
         seeds = [{"seed": s, "final_val_loss": mean + d} for s, d in ((1, -0.01), (2, 0.0), (3, 0.01))]
@@ -277,14 +278,29 @@ def test_an_ablation_combines_what_beats_its_baseline_on_the_baselines_flags():
     rows = {
         "seed": row("seed", "", 4.2),
         "modern": row("modern", "--recipe modern", 3.6),
-        "mx": row("mx", "--recipe modern-unet", 3.4),
+        "other": row("other", "--recipe seed --qk-norm", 3.3),
+        **{n: row(n, " ".join(race_flags.RECIPES[n]), m) for n, m in (("modern-unet", 3.4), ("modern-softcap", 3.55))},
         "mu": row("mu", "--recipe modern --unet-skips", 3.5),
-        "ms": row("ms", "--recipe modern --logit-softcap 15", 3.55),
-        "mr": row("mr", "--recipe modern --mlp relu2", 3.7),
+        "modern-relu2": row("modern-relu2", "--recipe modern-relu2", 3.7),
     }
     on_modern = race.best_combination(rows, "modern")
-    assert on_modern == {"members": ["mu", "ms"], "flags": "--recipe modern --unet-skips --logit-softcap 15".split()}
-    assert race.best_combination(rows) == {"members": ["mx"], "flags": ["--recipe", "modern-unet"]}
+    assert on_modern == {
+        "members": ["modern-unet", "modern-softcap"],
+        "flags": "--recipe modern --unet-skips --logit-softcap 15".split(),
+    }
+    assert race.best_combination(rows) == {"members": ["other"], "flags": "--recipe seed --qk-norm".split()}
+
+
+def test_modern_candidates_run_at_moderns_lr(tmp_path, monkeypatch):
+    """Not swept, `modern-unet` runs at the multiplier modern's sweep chose (not the seed's)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race, "run", stand_in)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed,modern,modern-unet", "--speed-rounds", "1"]
+    argv += ["--multiplier", "seed=4", "--multiplier", "modern=2", "--baseline", "modern"]
+    assert race.main([*argv, "--work", str(tmp_path / "w"), "--save", str(tmp_path / "out")]) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    assert {row["recipe"]: row["multiplier"] for row in r["rows"]} == {"seed": 4, "modern": 2, "modern-unet": 2}
 
 
 def test_the_baseline_is_every_rows_comparison(tmp_path, monkeypatch, capsys):
