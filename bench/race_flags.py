@@ -219,8 +219,22 @@ def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
         raise UsageError(f"--baseline {args.baseline!r}: not a recipe of this race ({', '.join(chosen)})")
     if next(iter(chosen), None) != "seed":
         raise UsageError("the seed recipe runs first (--recipes seed,...)")
-    seed_lr = str(resolve(common_flags(args, CHECK_STEPS), args.device).lr)
-    return {name: [f.replace("{lr}", seed_lr) for f in flags] for name, flags in chosen.items()}
+    seed = resolve(common_flags(args, CHECK_STEPS), args.device)
+    chosen = {name: [f.replace("{lr}", str(seed.lr)) for f in flags] for name, flags in chosen.items()}
+    return {name: flags + relu2_width(flags, args, seed.ffn_dim) for name, flags in chosen.items()}
+
+
+def relu2_width(flags: list[str], args: argparse.Namespace, swiglu: int | None) -> list[str]:
+    """A recipe that makes the MLP relu2 without a width of its own races at the seed's parameters:
+    3/2 of the --model's --ffn-dim (SwiGLU's width; fastpt takes --ffn-dim as relu2's own). Without
+    one in --model fastpt derives the same from the preset. A bad recipe is left to check_recipes."""
+    if swiglu is None or "--ffn-dim" in flags:
+        return []
+    try:
+        relu2 = resolve(common_flags(args, CHECK_STEPS) + flags, args.device).mlp == "relu2"
+    except FastptError:
+        return []
+    return ["--ffn-dim", str(3 * swiglu // 2)] if relu2 else []
 
 
 def resolve(flags: list[str], device: str):

@@ -131,6 +131,23 @@ def test_muon_plain_gives_the_embedding_and_head_the_seeds_lr():
     assert resolved_lrs(plain, args) == {"lr": 0.002, "head": 0.002, "muon": 0.02}
 
 
+def test_relu2_races_at_the_seeds_parameters():
+    """The race's model gives SwiGLU's --ffn-dim 176; fastpt takes --ffn-dim as relu2's own width,
+    so a relu2 recipe (by flag or by fastpt recipe) races 264 wide: the seed's parameters."""
+    from fastpt.presets import model_config
+
+    args = race.parse_args(["--recipes", "seed,modern,relu2,modern-relu2,modern-unet"])
+    chosen = race_flags.recipes(args)
+    assert chosen["relu2"] == ["--mlp", "relu2", "--ffn-dim", "264"]
+    assert chosen["modern-relu2"] == ["--recipe", "modern-relu2", "--ffn-dim", "264"]
+    assert chosen["modern-unet"] == ["--recipe", "modern-unet"]
+    sizes = {
+        name: model_config(race_flags.resolve(race_flags.common_flags(args, 100) + flags, "cpu"), 1024).num_params()
+        for name, flags in chosen.items()
+    }
+    assert sizes["relu2"] == sizes["seed"] and sizes["modern-relu2"] == sizes["modern"]
+
+
 def resolved_lrs(flags: list[str], args) -> dict[str, float]:
     from fastpt.optim import peak_lrs
     from fastpt.presets import model_config

@@ -106,7 +106,9 @@ class TrainConfig:
     n_layers: int | None = shape("transformer blocks")
     n_heads: int | None = shape("attention heads")
     n_kv_heads: int | None = shape("key/value heads (grouped-query attention); 0 = n_heads")
-    ffn_dim: int | None = shape("SwiGLU hidden width")
+    ffn_dim: int | None = shape(
+        "the MLP's hidden width, either MLP's (relu2: 3/2 of the preset's SwiGLU width, its parameters)"
+    )
     max_seq_len: int | None = shape("longest sequence (RoPE table)")
     rope_theta: float | None = shape("RoPE base")
     norm_eps: float | None = shape("RMSNorm epsilon")
@@ -115,8 +117,8 @@ class TrainConfig:
         "RMSNorm over each head's queries and keys before RoPE (as Qwen3; exports as Qwen3ForCausalLM)", recipe=True
     )
     mlp: str | None = shape(
-        "the MLP: swiglu, or relu2: relu(x W1)^2 W2, 3/2 of ffn_dim wide to match SwiGLU's parameters "
-        "(modded-nanogpt, nanochat; no Hugging Face export)",
+        "the MLP: swiglu, or relu2: relu(x W1)^2 W2, by default 3/2 of the preset's ffn_dim wide, at SwiGLU's "
+        "parameters (modded-nanogpt, nanochat; no Hugging Face export)",
         recipe=True,
     )
     logit_softcap: float | None = shape(

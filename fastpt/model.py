@@ -122,13 +122,13 @@ class FeedForward(nn.Module):
 
 
 class ReluSquaredFeedForward(nn.Module):
-    """relu(x W1)^2 W2 (Primer, So et al. 2021; modded-nanogpt, nanochat): two matrices, so 3/2 of
-    ffn_dim wide has SwiGLU's parameters (cfg.mlp_hidden)."""
+    """relu(x W1)^2 W2 (Primer, So et al. 2021; modded-nanogpt, nanochat), ffn_dim wide: two matrices,
+    so a preset's relu2 is 3/2 of its SwiGLU width, at SwiGLU's parameters (presets.model_config)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.mlp_hidden, bias=False)  # up
-        self.w2 = nn.Linear(cfg.mlp_hidden, cfg.dim, bias=False)  # down
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.relu(self.w1(x)).square())

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_one_line_error, eager_and_compiled, run_main, tiny_args, train_refuses
-from fastpt import checkpoint, export, hf, train
+from fastpt import checkpoint, checkpointer, export, hf, train
 from fastpt.cli import parse_args
-from fastpt.config import PRESETS, TrainConfig
+from fastpt.config import PRESETS, ModelConfig, TrainConfig
 from fastpt.errors import ConfigError
 from fastpt.metrics import Dashboard
 from fastpt.model import Transformer
@@ -33,15 +33,51 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:].clone()  # (B, T) each; labels of their own, to mask
 
 
-def test_relu2_has_swiglus_parameters_in_two_matrices_and_squares_a_relu():
-    cfg = dataclasses.replace(CFG, mlp="relu2")
+def test_relu2_is_ffn_dim_wide_in_two_matrices_and_squares_a_relu():
+    cfg = dataclasses.replace(CFG, mlp="relu2", ffn_dim=96)
     model = Transformer(cfg)
-    assert cfg.num_params() == model.num_params() == CFG.num_params()  # matched at the same ffn_dim
+    assert cfg.num_params() == model.num_params() == CFG.num_params()  # 3/2 of SwiGLU's 64: its parameters
     mlp = model.layers[0].feed_forward
     assert [n for n, _ in mlp.named_parameters()] == ["w1.weight", "w2.weight"] and mlp.w1.weight.shape == (96, 32)
     x = torch.randn(2, 5, 32)
     torch.testing.assert_close(mlp(x), mlp.w2(torch.relu(mlp.w1(x)) ** 2))
     assert model(batch()[0]).logits.shape == (2, 16, 97)
+
+
+@pytest.mark.parametrize(
+    "flags, hidden",
+    [(("--ffn-dim", "3072"), 3072), ((), 3 * 1408 // 2), (("--mlp", "swiglu", "--ffn-dim", "3072"), 3072)],
+    ids=["given", "the-presets", "swiglu"],
+)
+def test_ffn_dim_is_the_mlps_hidden_width_as_given(flags, hidden):
+    """--ffn-dim is the hidden width of either MLP; without it relu2 takes 3/2 of the preset's SwiGLU
+    width, at SwiGLU's parameters."""
+    cfg, target = planner.planned_config(*parse_args(["--preset", "0.04b", "--mlp", "relu2", *flags]))
+    m = planner.planned_model(cfg)
+    assert m.ffn_dim == hidden
+    model_mlp = Transformer(dataclasses.replace(m, vocab_size=8, n_layers=1)).layers[0].feed_forward
+    assert model_mlp.w1.weight.shape[0] == hidden
+    if not flags:
+        assert m.num_params() == PRESETS["0.04b"].num_params()
+
+
+def test_an_old_relu2_checkpoint_loads_to_the_same_model(tmp_path):
+    """Until issue 54 a checkpoint's relu2 model config (format 1, unmarked) meant 3/2 of ffn_dim wide:
+    it loads as that model, its weights as saved; one written now says its format and means ffn_dim."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(CFG, mlp="relu2", ffn_dim=96)
+    model = Transformer(cfg)
+    old = dataclasses.asdict(cfg) | {"ffn_dim": 64}  # format 1: no "format" key
+    for folder, saved in (("old", old), ("new", cfg.to_dict())):
+        states = {"model": checkpoint.ModelState(model), "train_state": TrainState()}
+        checkpointer.Checkpointer(tmp_path / folder, states, {"model_config": saved}).save(1)
+        loaded, _ = checkpoint.load_model(checkpoint.latest(tmp_path / folder), torch.device("cpu"))
+        assert loaded.cfg == cfg and loaded.layers[0].feed_forward.w1.weight.shape == (96, 32)
+        assert all(torch.equal(w, model.state_dict()[k]) for k, w in loaded.state_dict().items())
+        assert checkpointer.model_mismatch(saved, cfg.to_dict()) == ""  # a resume takes it as this model
+    assert cfg.to_dict()["format"] == 2 and ModelConfig.from_dict(dataclasses.asdict(CFG)) == CFG  # SwiGLU: as ever
+    # a run of then that gave --ffn-dim 64 resumes with 96: the refusal names both
+    assert checkpointer.model_mismatch(old, dataclasses.replace(cfg, ffn_dim=64).to_dict()) == "ffn_dim 96 != 64"
 
 
 def test_softcap_bounds_the_logits_and_the_loss_is_the_capped_logits_cross_entropy():
