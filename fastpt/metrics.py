@@ -23,6 +23,7 @@ from fastpt.data.dataset import Data, describe_data
 from fastpt.data.tokenizer import run_tokenizer
 from fastpt.errors import ConfigError, require
 from fastpt.files import clear_temporaries, owned_folder, write_atomic_all
+from fastpt.model import unet_wiring
 from fastpt.presets import ModelConfig
 from fastpt.step import micro_batches
 
@@ -339,5 +340,7 @@ def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[
             if cfg.batch_warmup_steps
             else ""
         ),
-        f"recipe {cfg.recipe} | vs the seed's: " + (", ".join(recipe_choices(cfg, data.model_config)) or "none"),
+        f"recipe {cfg.recipe} | vs the seed's: "
+        + (", ".join(recipe_choices(cfg, data.model_config)) or "none")
+        + (f" | {unet_wiring(data.model_config.n_layers)}" if data.model_config.unet_skips else ""),
     ]

@@ -190,6 +190,21 @@ CHECKPOINTED_BLOCKS = {
 }
 
 
+def unet_wiring(n_layers: int) -> str:
+    """What --unet-skips wires in Transformer.forward, as the run's summary says it: block i's input
+    (i < L // 2, the first half's) x a learned scalar starting at 1, added to block L-1-i's output."""
+    pairs = [f"{i}->{n_layers - 1 - i}" for i in range(n_layers // 2)]
+    if len(pairs) > 4:
+        pairs = [*pairs[:2], "...", pairs[-1]]
+    middle = f"; block {n_layers // 2} unpaired" if n_layers % 2 else ""
+    if not pairs:
+        return "U-net skips: none (one block has no pair, and no skip weight)"
+    return (
+        f"U-net skips: block i's input x a learned scalar (from 1) added to block {n_layers - 1}-i's output, "
+        f"i < {n_layers // 2}: {', '.join(pairs)}{middle}"
+    )
+
+
 class Transformer(nn.Module):
     """The model of a ModelConfig. Three training choices that checkpoints do not record: `backend`
     (auto | triton | torch) picks how its RMSNorms and loss run; `z_loss` adds PaLM's

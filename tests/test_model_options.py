@@ -5,6 +5,7 @@ export's refusal."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import time
 
@@ -18,7 +19,7 @@ from fastpt.cli import parse_args
 from fastpt.config import PRESETS, ModelConfig, TrainConfig
 from fastpt.errors import ConfigError
 from fastpt.metrics import Dashboard
-from fastpt.model import Transformer
+from fastpt.model import Transformer, unet_wiring
 from fastpt.plan import planner
 from fastpt.step import StepResult, TrainState, accum_at, micro_batches
 
@@ -110,6 +111,29 @@ def test_unet_skips_add_a_scalar_per_pair_and_at_zero_leave_the_plain_model():
     torch.testing.assert_close(skipped(x).logits, plain(x).logits)
 
 
+@pytest.mark.parametrize("n_layers", [1, 2, 5, 8])
+def test_the_unet_wiring_the_summary_names_is_the_models(n_layers):
+    """What a block adds past its own output is the skip weight x the input of the block the summary
+    pairs it with (i -> L-1-i, i < L // 2), and nothing for a block it leaves unpaired."""
+    model = Transformer(dataclasses.replace(CFG, unet_skips=True, n_layers=n_layers))
+    described = {int(j): int(i) for i, j in re.findall(r"(\d+)->(\d+)", unet_wiring(n_layers))}
+    if n_layers > 1:
+        with torch.no_grad():
+            model.skip_weights.copy_(torch.arange(2.0, 2.0 + n_layers // 2))
+    seen: dict[str, list] = {"in": [], "out": []}
+    for layer in model.layers:
+        layer.register_forward_hook(lambda m, args, out: seen["in"].append(args[0]) or seen["out"].append(out[0]))
+    model.norm.register_forward_hook(lambda m, args, out: seen["in"].append(args[0]))
+    model(batch()[0])
+    for k in range(n_layers):
+        added = seen["in"][k + 1] - seen["out"][k]
+        want = model.skip_weights[described[k]] * seen["in"][described[k]] if k in described else 0 * added
+        torch.testing.assert_close(added, want)
+    assert len(described) == n_layers // 2 and all(j == n_layers - 1 - i for j, i in described.items())
+    if n_layers == 5:
+        assert unet_wiring(5).endswith("i < 2: 0->4, 1->3; block 2 unpaired")
+
+
 @pytest.mark.parametrize("key", OPTIONS)
 def test_each_option_is_refused_by_export_with_one_line_naming_it(key):
     with pytest.raises(ConfigError, match=f"'{key}' = .*no Hugging Face architecture"):
@@ -151,8 +175,9 @@ def test_every_option_compiles_in_one_graph_without_recompiles():
 
 def test_a_run_with_every_option_resumes_and_refuses_export(tiny_data, tmp_path, capsys):
     args = tiny_args(tiny_data, tmp_path / "run", *FLAGS, max_steps=2, eval_every=2, eval_tokens=64)
-    code, _, err = run_main(train.main, args, capsys)
+    code, out, err = run_main(train.main, args, capsys)
     assert code == 0, err
+    assert "unet_skips True | U-net skips: block i's input x a learned scalar (from 1) added to block 1-i's" in out
     code, out, err = run_main(train.main, [*args, "--resume", "--max-steps", "3"], capsys)
     assert code == 0 and "resumed from" in out, err
     model, _ = checkpoint.load_model(tmp_path / "run" / "ckpt_00000003.pt", torch.device("cpu"))
