@@ -71,7 +71,8 @@ class TrainConfig:
     resume: bool = setting(
         False,
         "continue from the newest complete checkpoint in --out; without one it starts the run "
-        "(the same command after a preemption), saying why",
+        "(the same command after a preemption), saying why, unless --out is missing and its name a typo of "
+        "a run's beside it (refused, naming that run)",
     )
     resume_require: bool = setting(
         False,

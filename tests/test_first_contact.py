@@ -42,12 +42,27 @@ def no_work(monkeypatch):
     monkeypatch.setattr(train.fit, "auto_micro_batch", work)
 
 
-def test_resume_of_a_typo_names_the_nearest_run_and_starts_afresh(runs, tiny_data, capsys):
+def test_resume_of_a_typo_refuses_naming_the_nearest_run(runs, tiny_data, capsys, no_work):
+    """issue 55: a --resume whose folder is missing and whose name is near a run's is a typo: refused
+    (exit 2) before any work, not a new run trained into it."""
     typo = runs / "copyrigth"
-    code, out, err = run_main(train.main, tiny_args(tiny_data, typo, "--resume", max_steps=1), capsys)
+    train_refuses(
+        capsys,
+        tiny_args(tiny_data, typo, "--resume", max_steps=1),
+        f"--resume: nothing to resume, {typo} does not exist (did you mean {runs / 'copyright'}?): "
+        "give that run's folder, or drop --resume to start a new run here",
+    )
+    assert not typo.exists()
+
+
+def test_resume_of_the_next_numbered_run_starts_it_naming_the_nearest(runs, tiny_data, capsys):
+    """A name that differs from a run's only in its digits (copyright2 beside copyright, seed2 beside
+    seed1) is a sweep's next run, which a script that always passes --resume starts: it starts, saying so."""
+    sibling = runs / "copyright2"
+    code, out, err = run_main(train.main, tiny_args(tiny_data, sibling, "--resume", max_steps=1), capsys)
     assert code == 0, err
     assert out.startswith(
-        f"--resume: nothing to resume, {typo} does not exist (did you mean {runs / 'copyright'}?); "
+        f"--resume: nothing to resume, {sibling} does not exist (did you mean {runs / 'copyright'}?); "
         "starting the run from step 0\n"
     ), out
 
