@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, run_main, run_quietly, tiny_args, train_refuses
-from fastpt import cores, distributed, files, prepare, train
+from fastpt import cores, distributed, files, prepare, sample, train
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +233,27 @@ def test_prepare_names_a_binary_file_and_skips_it_when_asked(tmp_path, capsys):
     assert code is None or code == 0, err
     assert f"--skip-binary: left out 1 file(s) that are not text: {corpus / 'logo.png'}" in out
     assert (tmp_path / "data" / "meta.json").is_file()
+
+
+def test_prepare_without_inputs_says_it_reads_the_standard_library(tmp_path, capsys, monkeypatch):
+    """issue 55: a newcomer who gives no inputs learns what the corpus is (here two of its files)."""
+    monkeypatch.setattr(prepare, "stdlib_sources", lambda: [Path(os.__file__), Path(os.__file__).with_name("abc.py")])
+    code, out, err = run_main(prepare.main, ["--tokenizer", "bytes", "--workers", "1", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert out.startswith("no inputs given: the corpus is the Python standard library's source (2 .py files in "), out
+
+
+def test_sample_of_a_data_folder_says_it_is_one(tiny_data, capsys):
+    """issue 55: not 'train with --out DATA first', which would train into the data folder."""
+    code, _, err = run_main(sample.main, ["--ckpt", str(tiny_data), "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, f"{tiny_data} is a data folder (token shards), not a run")
+
+
+@pytest.mark.parametrize("garbled", [b"garbage" * 100, b"PK\x03\x04" + bytes(range(256)) * 4])
+def test_a_garbled_checkpoint_is_one_line_of_fastpts_own(tmp_path, capsys, garbled):
+    """issue 55: no torch advice on torch.save's zipfile option for a file that is no checkpoint."""
+    bad = tmp_path / "ckpt_00000001.pt"
+    bad.write_bytes(garbled)
+    code, _, err = run_main(sample.main, ["--ckpt", str(bad), "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, f"could not read checkpoint {bad}: not a whole checkpoint (cut short, or another")
+    assert "torch.save" not in err and "zip" not in err, err
