@@ -173,7 +173,7 @@ def test_default_threads_leave_the_busy_cores(monkeypatch):
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (3.4, 0.0, 0.0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert distributed.cpu_threads(0) == 13
-    assert distributed.cpu_threads(5) == 5
+    assert distributed.cpu_threads(5) == 5 and distributed.cpu_threads(100_000) == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert distributed.cpu_threads(0) == 6
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (40.0, 0.0, 0.0))
@@ -186,15 +186,20 @@ def test_default_threads_leave_the_busy_cores(monkeypatch):
     assert distributed.cpu_threads(0) == 1
 
 
-def test_threads_are_set_and_named_in_the_summary(tiny_data, tmp_path, capsys):
+def test_threads_are_capped_at_the_cores_set_and_named_in_the_summary(tiny_data, tmp_path, capsys, monkeypatch):
+    """--threads beyond the cores this process may use (5,000 starved a 2-core machine, 100,000 crashed
+    torch and left the run's lock behind) is capped at them, with one line saying so."""
+    monkeypatch.setattr(cores, "all_cores", lambda: 1)
     before = torch.get_num_threads()
     try:
-        code, out, err = run_main(train.main, tiny_args(tiny_data, tmp_path / "run", threads=1, max_steps=1), capsys)
+        code, out, err = run_main(train.main, tiny_args(tiny_data, tmp_path / "run", threads=5000, max_steps=1), capsys)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     assert code == 0, err
     assert "| kernels auto | threads 1 | MFU" in out
+    warning = "fastpt: warning: --threads 5000 is more than the 1 core this process may use: using 1\n"
+    assert err.startswith(warning) and err.count(warning) == 1, err
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
