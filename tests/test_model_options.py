@@ -79,7 +79,10 @@ def test_each_option_is_refused_by_export_with_one_line_naming_it(key):
         hf.to_hf_config(dataclasses.replace(CFG, **{key: OPTIONS[key]}), torch.float32, 0, 0)
 
 
-@pytest.mark.parametrize(("key", "value"), [("mlp", "gelu"), ("logit_softcap", -1.0), ("logit_softcap", float("inf"))])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("mlp", "gelu"), ("logit_softcap", -1.0), ("logit_softcap", float("inf")), ("logit_softcap", 1e39)],
+)
 def test_a_bad_option_value_is_one_line_naming_it(key, value):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         dataclasses.replace(CFG, **{key: value}).check()
