@@ -30,6 +30,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -57,11 +58,36 @@ from bench.race_flags import (
     seed_size,
 )
 from bench.race_stats import beats, below_range, best_run, difference, ok, summarize, tokens_to_target, widened
-from fastpt.errors import USAGE_EXIT, FastptError
+from fastpt.errors import FastptError
 
 NOT_OPTIONS = ("seed", "modern", "best")  # never members of the best combination
 
 # ---- one run
+
+
+class RunKilled(FastptError):
+    """A run that a signal stopped (the OOM killer, a kill -9, a shutdown): the race cannot go on
+    without it, yet nothing on the command line was wrong. Exit 1."""
+
+    exit_code = 1
+
+
+def outside_stop(code: int) -> str:
+    """How a run's exit code says something outside stopped it: a signal killed it (a negative
+    code) or fastpt.train stopped at one (SIGTERM, Ctrl-C: 128 + it, train.preempted_exit); '' for
+    an exit of the run's own."""
+    if code < 0:
+        return f"killed by {signal_name(-code)}"
+    if code - 128 in (signal.SIGTERM, signal.SIGINT):
+        return f"stopped by {signal_name(code - 128)}"
+    return ""
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"
 
 
 def run(
@@ -82,7 +108,12 @@ def run(
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     row["process_s"] = round(time.perf_counter() - start, 1)
-    if proc.returncode != 0:
+    if stopped := outside_stop(proc.returncode):  # not the run's own result: nothing to learn from it
+        raise RunKilled(
+            f"run {name} ({' '.join(flags)}) was {stopped}, which says nothing of its LR: the race stops "
+            "(the same command with --reuse keeps the runs that finished)"
+        )
+    if proc.returncode != 0:  # the run's own failure (a non-finite loss): this recipe's LR fails
         return {**row, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
     finished.write_text(json.dumps({"command": cmd, "process_s": row["process_s"]}))
     return {**row, **curve(out / "metrics.jsonl")}
@@ -134,7 +165,12 @@ class Race:
     def each(self, todo: list[tuple[str, list[str], float, tuple[float, int], int]]) -> None:
         """The runs `todo` (one()'s arguments), --jobs at a time, logged in the order given."""
         with ThreadPoolExecutor(self.args.jobs) as pool:
-            self.runs += pool.map(lambda given: self.one(*given), todo)
+            futures = [pool.submit(self.one, *given) for given in todo]
+            try:
+                self.runs += [f.result() for f in futures]
+            except RunKilled:
+                pool.shutdown(cancel_futures=True)  # the runs in flight finish; no more start
+                raise
 
     def sweep(self, recipe: str, flags: list[str], multipliers: list[float]) -> tuple[dict | None, bool]:
         """`recipe` at the full budget and the race's seed at each multiplier, the sweep widened past
@@ -392,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         return race(args, argv)
     except FastptError as e:
         print(f"bench race: error: {e}", file=sys.stderr)
-        return USAGE_EXIT
+        return e.exit_code
 
 
 def race(args: argparse.Namespace, argv: list[str] | None) -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
+import tempfile
 from pathlib import Path
 
 from fastpt.data.shards import MAX_VOCAB
@@ -130,11 +130,17 @@ def torch_sees_cuda() -> bool:
 
 
 def writable(flag: str, folder: Path) -> None:
-    """`folder` can be made and written: its nearest existing ancestor is a folder this process may
-    write in (checked, not tried, so a refused race leaves nothing behind)."""
+    """`folder` can be made and written: a file can be made in its nearest existing ancestor. Tried,
+    with a nameless temporary file (a refused race leaves nothing behind): os.access tells root that
+    /proc and /sys are writable, where nothing can be made."""
     there = next(p for p in (folder, *folder.parents) if p.exists())
-    if not (there.is_dir() and os.access(there, os.W_OK | os.X_OK)):
-        raise UsageError(f"--{flag[2:]} {str(folder)!r}: cannot write there ({str(there)!r} is not a writable folder)")
+    try:
+        with tempfile.TemporaryFile(dir=there):
+            pass
+    except OSError:
+        raise UsageError(
+            f"--{flag[2:]} {str(folder)!r}: cannot write there ({str(there)!r} is not a writable folder)"
+        ) from None
 
 
 def corpus_vocab(spec: str, vocab_size: int) -> int:

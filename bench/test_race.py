@@ -73,6 +73,15 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
             ["--save", "/dev/null/out"],
             "--save '/dev/null/out': cannot write there ('/dev/null' is not a writable folder)",
         ),
+        # issue 55: os.access tells root that /proc and /sys are writable
+        (
+            ["--save", "/proc/race-out"],
+            "--save '/proc/race-out': cannot write there ('/proc' is not a writable folder)",
+        ),
+        (
+            ["--save", "/sys/kernel/out"],
+            "--save '/sys/kernel/out': cannot write there ('/sys/kernel' is not a writable",
+        ),
     ],
 )
 def test_a_bad_flag_or_recipe_is_one_line_and_exit_2_before_any_corpus(argv, says, capsys, tmp_path, monkeypatch):
@@ -90,6 +99,7 @@ def test_a_bad_flag_or_recipe_is_one_line_and_exit_2_before_any_corpus(argv, say
     [
         (["--device", "cuda", "--work", "/tmp/fastpt-race-test"], "--device cuda: torch sees no CUDA device"),
         (["--work", "/dev/null/runs"], "--work '/dev/null/runs': cannot write there ('/dev/null' is not a writable"),
+        (["--work", "/proc/runs"], "--work '/proc/runs': cannot write there ('/proc' is not a writable folder)"),
     ],
 )
 def test_no_gpu_or_an_unwritable_work_folder_is_refused_first(argv, says, capsys, monkeypatch):
@@ -368,6 +378,47 @@ def test_jobs_trains_runs_at_once_and_records_them_as_one_at_a_time_would(tmp_pa
         (results[jobs],) = json.loads((out / "race.json").read_text())["corpora"].values()
     assert results[1]["runs"] == results[2]["runs"] and results[1]["rows"] == results[2]["rows"]
     assert race.main([*argv, "--jobs", "0"]) == 2
+
+
+@pytest.mark.parametrize("code", [-9, 143])
+def test_a_killed_run_fails_the_race_naming_it_and_a_diverged_one_is_a_failed_lr(code, tmp_path, monkeypatch, capsys):
+    """--jobs 2: a run a signal killed (-9) or stopped (fastpt.train's 143 after a SIGTERM) is no
+    verdict on its LR: the race exits 1 naming it (recipe, LR, budget, seed). A run that failed on
+    its own (exit 1, a non-finite loss) is a failed LR, as before: the race goes on to its result."""
+
+    def train(cmd, **kwargs):
+        if "fastpt.train" not in cmd:  # the race's own `uptime`
+            return run(cmd, **kwargs)
+        out, lr = Path(cmd[cmd.index("--out") + 1]), float(cmd[cmd.index("--lr") + 1])
+        if lr == 0.001:  # x0.5 of the CPU seed's 0.002: diverged
+            return subprocess.CompletedProcess(cmd, 1, "", "fastpt: error: non-finite loss or gradient norm at step 3")
+        if lr == 0.004 and killed:  # x2
+            return subprocess.CompletedProcess(cmd, code, "", "")
+        out.mkdir(parents=True)
+        metrics(out / "metrics.jsonl", 2048, {10: 4.0 - lr})
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    run = subprocess.run
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race.subprocess, "run", train)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed", "--speed-rounds", "0", "--seeds", "1"]
+    argv += ["--budgets", "1", "--widen", "0", "--jobs", "2", "--work", str(tmp_path / "w")]
+    killed = True
+    assert race.main(argv) == 1
+    err = capsys.readouterr().err
+    stopped = "killed by SIGKILL" if code < 0 else "stopped by SIGTERM"
+    assert err.startswith(f"bench race: error: run seed-x2-b1-seed1337 (--lr 0.004 --seed 1337) was {stopped}")
+    assert err.count("\n") == 1, err
+    killed = False
+    assert race.main([*argv, "--save", str(tmp_path / "out")]) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    assert [x.get("error", "") for x in r["runs"]] == [
+        "fastpt: error: non-finite loss or gradient norm at step 3",
+        "",
+        "",
+    ]
+    assert r["rows"][0]["multiplier"] == 2
 
 
 def test_a_budget_counts_the_tokens_its_runs_trained(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ import io
 import pickle
 import re
 import warnings
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -139,6 +140,11 @@ def find(path: Path) -> Path:
     if path.is_file() or NAME.match(path.name):
         return path
     found = latest(path)
+    if found is None and (any(path.glob("train_*.bin")) or (path / "train.bin").is_file()):
+        raise CheckpointError(
+            f"{path} is a data folder (token shards), not a run: "
+            "give a run folder (fastpt.train's --out) or a checkpoint"
+        )
     if found is None:
         raise CheckpointError(f"no checkpoint in {path} (train with --out {path} first)")
     return found
@@ -205,6 +211,8 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", *, deferred
     except OSError as e:
         raise os_refused(path, e) from None
     bad = unreadable_bytes(verified)
+    if file.is_file() and not zipfile.is_zipfile(file):  # torch's own error would advise on torch.save's options
+        raise bad(f"could not read checkpoint {file}: not a whole checkpoint (cut short, or another file)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all

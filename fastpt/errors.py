@@ -83,6 +83,27 @@ ALIASES = {
 }
 
 
+# The other commands' flags that fastpt.train has no key for, and the command each belongs to: given
+# to fastpt.train (or in its TOML file) one is sent there, not to the train flag nearest in spelling
+# (--tokenizer is not --optimizer).
+ELSEWHERE = {
+    **dict.fromkeys(
+        ("tokenizer", "tokenizer_sample", "hf_dataset", "text_field", "val_fraction", "shard_tokens", "skip_binary"),
+        "python -m fastpt.prepare, which makes the folder that --data trains on",
+    ),
+    **dict.fromkeys(
+        ("ckpt", "prompt", "num_samples", "max_new_tokens", "temperature", "top_k"),
+        "python -m fastpt.sample, which generates text from a run",
+    ),
+}
+
+
+def elsewhere(name: str) -> str:
+    """' (a flag of python -m fastpt.prepare, ...)' for another command's flag or key `name`, else ''."""
+    command = ELSEWHERE.get(name.lstrip("-").replace("-", "_").lower())
+    return f" (a flag of {command})" if command else ""
+
+
 def closest(name: str, valid) -> str | None:
     """The valid name a user most likely meant by `name` (a --flag or a key): another trainer's
     name for it (ALIASES), else the first that starts with it, else difflib's nearest; None when none is near."""

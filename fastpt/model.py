@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastpt.attention import attend, document_mask
 from fastpt.kernels import api as kernels
+from fastpt.kernels import reference
 from fastpt.presets import ModelConfig
 
 INIT_STD = 0.02  # GPT-2's: every weight matrix, the token embedding included
@@ -138,25 +139,9 @@ MLPS = {"swiglu": FeedForward, "relu2": ReluSquaredFeedForward}
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(logits / cap) in fp32 (Gemma 2's final_logit_softcapping); the logits as they are for cap 0."""
-    return cap * torch.tanh(logits.float() / cap) if cap else logits
-
-
-def capped_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cap: float, z_loss: float, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss and its z-loss part as kernels.linear_cross_entropy returns them, of the soft-capped
-    logits: the fused kernel cannot cap, so these logits are materialized. h (N, C), labels (N,)."""
-    logits = soft_cap(F.linear(h, weight), cap)  # (N, V) fp32
-    counted = labels != -100
-    lse = torch.logsumexp(logits, dim=-1)  # (N,)
-    picked = logits.gather(-1, labels.clamp(min=0)[:, None])[:, 0]  # (N,)
-    ce = torch.where(counted, lse - picked, 0.0)
-    z = torch.where(counted, z_loss * lse.square(), 0.0)
-    if reduction == "none":
-        return ce + z, z.detach()
-    n = counted.sum().clamp(min=1)
-    return (ce + z).sum() / n, z.detach().sum() / n
+    """cap * tanh(logits / cap) in fp32 (Gemma 2's final_logit_softcapping); the logits as they are
+    for cap 0. The loss caps inside kernels.linear_cross_entropy instead (softcap=)."""
+    return reference.soft_cap(logits.float(), cap) if cap else logits
 
 
 class TransformerBlock(nn.Module):
@@ -270,7 +255,8 @@ class Transformer(nn.Module):
     ) -> LogitsOutput | LossOutput:
         """idx (B, T) -> LogitsOutput (logits (B, T, V), and the extended cache when given kv_cache);
         with labels (B, T), LossOutput (the loss and its z-loss part) instead: their mean over the
-        counted targets, or with reduction="none" each target's, flattened (B*T,) (what evals sum)."""
+        counted targets, their sum with reduction="sum", or with reduction="none" each target's,
+        flattened (B*T,) (what evals sum); of the soft-capped logits where the config caps them."""
         B, T = idx.shape
         past = kv_cache[0][0].shape[2] if kv_cache else 0
         if past + T > self.cfg.max_seq_len:
@@ -292,15 +278,8 @@ class Transformer(nn.Module):
             if i >= len(self.layers) - n_skips:  # block L-1-j takes block j's input, the last first
                 h = h + self.skip_weights[len(self.layers) - 1 - i] * skips.pop()
         h = self.norm(h)  # (B, T, C)
-        if labels is not None and self.cfg.logit_softcap:
-            flat_labels = labels.flatten()
-            cap = self.cfg.logit_softcap
-            loss, z_loss = capped_cross_entropy(
-                h.flatten(0, 1), self.output_weight, flat_labels, cap, self.z_loss, reduction
-            )
-            return LossOutput(None, loss, z_loss)
         if labels is not None:
-            # The fused kernel never materializes the (B*T, V) logits.
+            # The fused kernel never materializes the (B*T, V) logits, soft-capped or not.
             loss = kernels.linear_cross_entropy(
                 h.flatten(0, 1),
                 self.output_weight,
@@ -308,6 +287,7 @@ class Transformer(nn.Module):
                 reduction=reduction,
                 z_loss=self.z_loss,
                 return_z_loss=self.z_loss > 0,
+                softcap=self.cfg.logit_softcap,
                 backend=self.backend,
             )
             loss, z_loss = loss if self.z_loss else (loss, loss.detach().new_zeros(()))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from fastpt.errors import ConfigError
+from fastpt.settings import SOFTCAP
 
 MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
 MAX_SEQ_LEN = 2**20
@@ -111,8 +112,8 @@ class ModelConfig:
             raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
         if self.mlp not in MLPS:
             raise ConfigError(f"'mlp' = {self.mlp!r} is not one of {', '.join(map(repr, MLPS))}")
-        if not (0 <= self.logit_softcap < math.inf):
-            raise ConfigError(f"'logit_softcap' must be a finite number >= 0 (0 = off), got {self.logit_softcap}")
+        if self.logit_softcap not in SOFTCAP:
+            raise ConfigError(f"'logit_softcap' must be {SOFTCAP}, got {self.logit_softcap}")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"'attention' = {self.attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
         if self.attention == "document" and not (

@@ -27,7 +27,9 @@ def kernel_backend(cfg: TrainConfig, mcfg: ModelConfig, device: torch.device, d:
         return cfg.kernels
     dtype = DTYPES[cfg.dtype]
     params = param_dtype(d, cfg.parallel, dtype)  # what the model's ops get: FSDP's bf16 parameters, or fp32
-    failed = selftest.failures(dtype, device, mcfg.dim, mcfg.vocab_size, mcfg.norm_eps, cfg.z_loss, params)
+    failed = selftest.failures(
+        dtype, device, mcfg.dim, mcfg.vocab_size, mcfg.norm_eps, cfg.z_loss, params, mcfg.logit_softcap
+    )
     if not failed:
         return cfg.kernels
     where = f"on {device.type} in {cfg.dtype} (dim {mcfg.dim}, vocab {mcfg.vocab_size})"

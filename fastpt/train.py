@@ -163,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
+    capped = distributed.threads_capped(cfg.threads)
     cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))
     torch.set_num_threads(cfg.threads)
     cfg, chosen = fit.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
     d = distributed.setup(cfg.device)
-    if d.is_main and (warning := distributed.one_process_warning(cfg.parallel, d)):
-        print_or_drop(warning, file=sys.stderr)
+    for warning in (capped, distributed.one_process_warning(cfg.parallel, d)):
+        if d.is_main and warning:
+            print_or_drop(warning, file=sys.stderr)
     try:
         # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank
         # must not kill it before it has said which rank died.

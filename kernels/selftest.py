@@ -48,7 +48,7 @@ def probe_vocab(vocab: int, dtype: torch.dtype) -> int:
 
 
 def _probes(
-    device: torch.device, dim: int, vocab: int, dtype: torch.dtype, eps: float, z_loss: float
+    device: torch.device, dim: int, vocab: int, dtype: torch.dtype, eps: float, z_loss: float, softcap: float
 ) -> dict[str, tuple[Callable, dict[str, torch.Tensor], bool]]:
     """Each op the model calls, with its named inputs in `dtype` and whether it launches a kernel of
     its own without gradients (linear + cross-entropy's loss alone, evaluation's)."""
@@ -60,7 +60,7 @@ def _probes(
     return {
         "rms_norm": (lambda x, w, b: b(x, w, eps), {"input": randn(rows, dim), "weight": 1 + 0.1 * randn(dim)}, False),
         "linear_cross_entropy": (
-            lambda x, w, b: b(x, w, target, z_loss=z_loss),
+            lambda x, w, b: b(x, w, target, z_loss=z_loss, softcap=softcap),
             {"input": randn(rows, dim), "weight": randn(vocab, dim) / dim**0.5},
             True,
         ),
@@ -122,13 +122,15 @@ def failures(
     eps: float = 1e-6,
     z_loss: float = 0.0,
     params: torch.dtype = torch.float32,
+    softcap: float = 0.0,
 ) -> dict[str, str]:
     """Each kernel (rms_norm, linear_cross_entropy: the cross-entropy kernel runs inside it) that
     fails its probe at hidden size `dim` and vocabulary `vocab` under autocast to `dtype`, with
-    parameters and activations in `params`, on `device`, with what went wrong; empty when all pass."""
+    parameters and activations in `params`, on `device`, with what went wrong; empty when all pass.
+    The loss is probed with the run's z_loss and logit soft-cap (a cap compiles a kernel of its own)."""
     found = {}
     for name, (call, inputs, evaluation) in _probes(
-        device, dim, probe_vocab(vocab, dtype), params, eps, z_loss
+        device, dim, probe_vocab(vocab, dtype), params, eps, z_loss, softcap
     ).items():
         if why := _check(name, call, inputs, evaluation, dtype):
             found[name] = why

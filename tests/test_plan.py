@@ -526,6 +526,7 @@ def test_plan_gpu_sizes_say_what_they_mean_and_names_suggest_a_card():
         ),
         (("--plan-world-size", "1000000"), "'plan_world_size' must be in [1, 256], got 1000000"),
         (("--plan-gpu", "9" * 400), "is larger than any card (4,096 GiB at most)"),
+        (("--plan-gpu", "5090"), "'5090' is larger than any card (4,096 GiB at most): give one of h100-80, h200, "),
         (("--plan-gpu", "0GiB", "--device", "cpu"), "'plan_gpu' = '0GiB' holds no more than the CUDA context"),
         (("--micro-batch", "auto"), "needs a card to fit and this machine has no GPU: give --plan-gpu"),
         (
@@ -542,6 +543,7 @@ def test_plan_gpu_sizes_say_what_they_mean_and_names_suggest_a_card():
         "world-size-2**63",
         "world-size-1e6",
         "400-digit-card",
+        "a-model-number-read-as-GiB",
         "no-memory-on-cpu",
         "auto-without-card",
         "json-path",

@@ -9,9 +9,12 @@ that makes big writes fail like a full disk (EFBIG, also for root).
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -39,7 +42,9 @@ from conftest import (
     train_refuses,
 )
 from fastpt import checkpoint, files, metrics, train
+from fastpt.config import FIELD_TYPES, FIELDS
 from fastpt.data.shards import write_shard
+from fastpt.errors import ELSEWHERE
 
 
 def run_faulty(fault: str, at: int | str, *args: str) -> subprocess.CompletedProcess:
@@ -254,26 +259,53 @@ BAD_ARGS = {
         "command line: unrecognized argument '--max-stpes' (did you mean '--max-steps'?)",
     ),
     "bad flag value": (["--lr", "fast"], "command line: argument --lr: invalid float value: 'fast'"),
-    "zero lr": (["--lr", "0"], "'lr' must be > 0, got 0.0"),
-    "negative lr": (["--lr", "-0.001"], "'lr' must be > 0, got -0.001"),
+    "zero lr": (["--lr", "0"], "'lr' must be in (0, 10], got 0.0"),
+    "negative lr": (["--lr", "-0.001"], "'lr' must be in (0, 10], got -0.001"),
     "warmup > max_steps": (["--warmup-steps", "20"], "'warmup_steps' (20) is larger than 'max_steps' (10)"),
-    "zero micro-batch": (["--micro-batch", "0"], "'micro_batch' must be > 0, got 0"),
+    "zero micro-batch": (["--micro-batch", "0"], "'micro_batch' must be in [1, 65_536], got 0"),
     "fp16 on cpu": (["--dtype", "fp16"], "'dtype' = 'fp16' needs a CUDA device (got cpu)"),
     "seq_len > data": (["--seq-len", "100000"], "seq_len 100000 is longer than the data"),
-    "nan lr": (["--lr", "nan"], "'lr' must be > 0 (a finite number), got nan"),
-    "inf lr": (["--lr", "inf"], "'lr' must be > 0 (a finite number), got inf"),
+    "nan lr": (["--lr", "nan"], "'lr' must be in (0, 10] (a finite number), got nan"),
+    "inf lr": (["--lr", "inf"], "'lr' must be in (0, 10] (a finite number), got inf"),
     "beta1 1.5": (["--beta1", "1.5"], "'beta1' must be in [0, 1), got 1.5"),
-    "negative seed": (["--seed", "-1"], "'seed' must be in [0, 4294967295], got -1"),
+    "negative seed": (["--seed", "-1"], "'seed' must be in [0, 4_294_967_295], got -1"),
     "floor above peak": (["--min-lr-ratio", "2"], "'min_lr_ratio' must be in [0, 1], got 2.0"),
-    "zero eps": (["--eps", "0"], "'eps' must be > 0, got 0.0"),
-    "negative clip": (["--max-grad-norm", "-1"], "'max_grad_norm' must be >= 0, got -1.0"),
-    "zero eval tokens": (["--eval-tokens", "0"], "'eval_tokens' must be > 0, got 0"),
+    "zero eps": (["--eps", "0"], "'eps' must be in (0, 1], got 0.0"),
+    "negative clip": (["--max-grad-norm", "-1"], "'max_grad_norm' must be in [0, 1_000_000], got -1.0"),
+    "zero eval tokens": (["--eval-tokens", "0"], "'eval_tokens' must be in [1, 1_000_000_000_000], got 0"),
+    # issue 55: values past a flag's range that overflowed fp32, a float or the machine once accepted
+    "a softcap past fp32 (NaN losses)": (
+        ["--logit-softcap", "1e39"],
+        "'logit_softcap' must be 0 (off) or in [1, 1000], got 1e+39",
+    ),
+    "a softcap that rounds to 0 in fp32": (["--logit-softcap", "1e-50"], "'logit_softcap' must be 0 (off) or in"),
+    "a Muon LR past fp32 (a traceback)": (
+        ["--optimizer", "muon", "--muon-lr", "1e39"],
+        "'muon_lr' must be in (0, 10], got 1e+39",
+    ),
+    "a weight decay past fp32": (["--weight-decay", "1e39"], "'weight_decay' must be in [0, 10], got 1e+39"),
+    "a z-loss past fp32": (["--z-loss", "1e39"], "'z_loss' must be in [0, 1], got 1e+39"),
+    "steps past a float (a traceback)": (
+        ["--max-steps", "1" + "0" * 400],
+        "'max_steps' must be in [1, 1_000_000_000_000]",
+    ),
+    "a count past a float (a traceback)": (["--keep-checkpoints", "1" + "0" * 400], "'keep_checkpoints' must be in"),
+    "a micro-batch that filled the memory": (
+        ["--micro-batch", "100000000"],
+        "'micro_batch' must be in [1, 65_536], got 100000000",
+    ),
+    "a sequence past max_seq_len's bound": (["--seq-len", "1" + "0" * 400], "'seq_len' must be in [0, 1_048_576]"),
+    "threads past a C int": (["--threads", str(2**31)], "'threads' must be in [0, 2_147_483_647], got 2147483648"),
     "bad choice": (["--decay-rule", "all"], "'decay_rule' = 'all' is not one of 'ndim', 'strict'"),
     "another trainer's dtype": (
         ["--dtype", "bfloat16"],
         "'dtype' = 'bfloat16' is not one of 'bf16', 'fp16', 'fp32' (did you mean 'bf16'?)",
     ),
     "float32": (["--dtype", "float32"], "(did you mean 'fp32'?)"),
+    "another command's flag": (
+        ["--tokenizer", "bpe"],
+        "unrecognized argument '--tokenizer' (a flag of python -m fastpt.prepare, which makes the folder that --data",
+    ),
     "another trainer's flag": (
         ["--learning-rate", "1e-3"],
         "unrecognized argument '--learning-rate' (did you mean '--lr'?)",
@@ -310,6 +342,29 @@ def test_bad_argument_is_one_line(case, tiny_data, tmp_path, capsys):
     train_refuses(capsys, base_args(tiny_data, tmp_path) + extra, expected)
 
 
+def test_every_numeric_setting_has_a_finite_range():
+    """issue 55: a flag without a ceiling took 1e39 (a NaN loss, a traceback) or a 400-digit number (a
+    traceback). The shape keys' bounds are ModelConfig.check's (MAX_PARAMS, MAX_SEQ_LEN), which
+    --init-from's and a checkpoint's shapes meet too."""
+    unbounded = [
+        name
+        for name, f in FIELDS.items()
+        if FIELD_TYPES[name] in (int, float)
+        and f.default is not None
+        and not (f.metadata["domain"] and math.isfinite(f.metadata["domain"].high))
+    ]
+    assert unbounded == []
+
+
+def test_another_commands_flags_are_its_own(capsys):
+    """Each flag fastpt.train sends to another command (errors.ELSEWHERE) is that command's, not train's."""
+    for key, command in ELSEWHERE.items():
+        module = importlib.import_module(re.search(r"fastpt\.\w+", command)[0])
+        with pytest.raises(SystemExit):
+            module.parse_args(["--help"])
+        assert f"--{key.replace('_', '-')} " in capsys.readouterr().out and key not in FIELDS, key
+
+
 def test_a_missing_data_folder_names_the_nearest_one(tiny_data, tmp_path, capsys):
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     (tmp_path / "data" / "bpe").mkdir()
@@ -336,6 +391,10 @@ BAD_TOML = {
     "wrong type": ('lr = "fast"\n', "'lr' must be float, got 'fast'"),
     "not TOML": ("lr = = 1\n", "not valid TOML"),
     "binary": ("\x00\xff\xfe garbage", "not valid TOML"),
+    "another command's key": (
+        'tokenizer = "bpe"\n',
+        "unknown config key 'tokenizer' (a flag of python -m fastpt.prepare",
+    ),
     "unknown key": (
         "max_steps = 10\nwarmup_step = 2\n",
         "unknown config key 'warmup_step' (did you mean 'warmup_steps'?)",

@@ -50,8 +50,8 @@ def region_wrong(monkeypatch, where: str) -> None:
     launch without gradients (evaluation's), or everything when its logits are bf16."""
     real = lce_ops.cross_entropy_forward
 
-    def off(logits, target, ignore_index, z_loss=0.0, grad=None, grad_scale=None, row_width=None):
-        loss, z, lse = real(logits, target, ignore_index, z_loss, grad, grad_scale, row_width)
+    def off(logits, target, ignore_index, z_loss=0.0, grad=None, grad_scale=None, row_width=None, softcap=0.0):
+        loss, z, lse = real(logits, target, ignore_index, z_loss, grad, grad_scale, row_width, softcap)
         block = ce_ops.launch_plan(logits.shape[1], logits.element_size())[1]
         if where == "past the first tile" and grad is not None:
             grad[:, block:] *= 1.1
@@ -61,6 +61,8 @@ def region_wrong(monkeypatch, where: str) -> None:
             loss *= 1.1
         elif where == "bf16 logits" and logits.dtype == torch.bfloat16 and grad is not None:
             grad *= 1.1
+        elif where == "capped" and softcap:
+            loss *= 1.1
         return loss, z, lse
 
     monkeypatch.setattr(lce_ops, "cross_entropy_forward", off)
@@ -114,6 +116,18 @@ def test_a_kernel_wrong_in_one_place_is_named(interpreted, monkeypatch, where, s
     dtype = torch.float32 if where == "past the first tile" else torch.bfloat16  # fp32: two tiles of 9001
     found = selftest.failures(dtype, CPU, dim=128, vocab=VOCAB)
     assert list(found) == ["linear_cross_entropy"] and found["linear_cross_entropy"].startswith(said), found
+
+
+def test_a_capped_run_probes_the_capped_kernel(interpreted, monkeypatch):
+    """--logit-softcap compiles a kernel of its own: the probe of a capped run runs it, so a kernel
+    wrong only when it caps is named for that run, and not for an uncapped one."""
+    region_wrong(monkeypatch, "capped")
+    cfg, log = TrainConfig(dtype="bf16", kernels="auto"), lambda *a, **k: warnings.append(a)
+    warnings = []
+    assert kernel_backend(cfg, ModelConfig(vocab_size=VOCAB, dim=128), CPU, Dist(), log) == "auto" and not warnings
+    capped = ModelConfig(vocab_size=VOCAB, dim=128, logit_softcap=15.0)
+    assert kernel_backend(cfg, capped, CPU, Dist(), log) == "torch"
+    assert len(warnings) == 1 and "kernel linear_cross_entropy failed its check" in warnings[0][0], warnings
 
 
 def test_fsdp_bf16_parameters_are_probed_in_bf16(interpreted, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 
 import pytest
 import torch
@@ -259,9 +260,11 @@ def test_the_plan_prices_the_run_and_names_its_link():
     assert "on 2 GPUs" in line and " per GPU-hour" in line and "link assumed: PCIe 4.0 x16" in line
 
 
-def test_a_negative_price_is_refused():
-    cli, config_file = parse_args([*TINY, "--plan-price", "-1", "--plan-gpu", "h100-80"])
-    with pytest.raises(ConfigError, match="'plan_price' must be >= 0, got -1.0"):
+@pytest.mark.parametrize("price", ["-1", "1e308"])
+def test_a_price_out_of_range_is_refused(price):
+    """A negative price, or one so large the run cost $inf (issue 55)."""
+    cli, config_file = parse_args([*TINY, "--plan-price", price, "--plan-gpu", "h100-80"])
+    with pytest.raises(ConfigError, match=re.escape(f"'plan_price' must be in [0, 1000], got {float(price)}")):
         planner.planned_config(cli, config_file)
 
 
