@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
@@ -39,6 +38,7 @@ from fastpt import selfcheck
 from fastpt.cli import parse_args
 from fastpt.config import DTYPES, TrainConfig
 from fastpt.distributed import Dist, param_dtype
+from fastpt.files import write_output
 from fastpt.kernels import api as kernels
 from fastpt.kernels import functional, selftest
 from fastpt.plan.planner import planned_config, planned_model
@@ -199,7 +199,9 @@ def sm90(sms: int = H200_SMS):
     for name in OPS_MODULES:
         module = importlib.import_module(name)
         for attr, fn in list(vars(module).items()):
-            if isinstance(fn, JITFunction):
+            # Kernels only (named *_kernel): a jit helper they call must stay a JITFunction, which
+            # Triton hashes into the kernel's cache key (it cannot hash a stand-in).
+            if isinstance(fn, JITFunction) and attr.endswith("_kernel"):
                 patches.append((module, attr, fn, fn.device_caches))
                 fn.device_caches = collections.defaultdict(fn.create_binder)  # keep the real device's cache apart
                 setattr(module, attr, _Intercepted(fn, seen))
@@ -264,23 +266,24 @@ def _rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
     rms_norm.rms_norm_backward(torch.empty_like(x), x, w, rstd)
 
 
-def _cross_entropy(n: int, v: int, with_grad: bool, z_loss: float, inplace: bool) -> None:
+def _cross_entropy(n: int, v: int, with_grad: bool, z_loss: float, inplace: bool, softcap: float) -> None:
     from fastpt.kernels.ops import cross_entropy
 
     logits, target = torch.empty(n, v, device=M, dtype=torch.bfloat16), torch.empty(n, dtype=torch.long, device=M)
-    _, _, lse = cross_entropy.cross_entropy_forward(logits, target, -100, z_loss)
+    _, _, lse = cross_entropy.cross_entropy_forward(logits, target, -100, z_loss, softcap=softcap)
     if with_grad:
         grad = logits if inplace else torch.empty_like(logits)
-        cross_entropy.cross_entropy_backward(logits, target, lse, torch.ones((), device=M), -100, z_loss, grad)
+        ones = torch.ones((), device=M)
+        cross_entropy.cross_entropy_backward(logits, target, lse, ones, -100, z_loss, grad, softcap)
 
 
-def _linear_cross_entropy(n: int, d: int, v: int) -> None:
+def _linear_cross_entropy(n: int, d: int, v: int, softcap: float) -> None:
     from fastpt.kernels.ops import linear_cross_entropy
 
     x, w = torch.empty(n, d, device=M, dtype=torch.bfloat16), torch.empty(v, d, device=M, dtype=torch.bfloat16)
     target = torch.empty(n, dtype=torch.long, device=M)
     ones = torch.ones((), device=M)
-    linear_cross_entropy.linear_cross_entropy_forward(x, w, target, -100, torch.bfloat16, 1e-4, ones)
+    linear_cross_entropy.linear_cross_entropy_forward(x, w, target, -100, torch.bfloat16, 1e-4, ones, softcap)
 
 
 def cases() -> dict[str, tuple[Callable[[], None], bool]]:
@@ -290,25 +293,29 @@ def cases() -> dict[str, tuple[Callable[[], None], bool]]:
         for dtype in (torch.bfloat16, torch.float32):
             out[f"rms_norm {n}x{d} {str(dtype)[6:]}"] = (lambda n=n, d=d, dt=dtype: _rms_norm(n, d, dt), True)
     for n, v in ((32768, 32000), (16384, 50257), (32768, 128256)):
-        for grad, z, inplace, what in (
-            (False, 0.0, False, "loss"),
-            (True, 0.0, False, "+grad"),
-            (True, 1e-4, False, "+grad z-loss"),
-            (True, 0.0, True, "+grad in place"),
+        for grad, z, inplace, cap, what in (
+            (False, 0.0, False, 0.0, "loss"),
+            (True, 0.0, False, 0.0, "+grad"),
+            (True, 1e-4, False, 0.0, "+grad z-loss"),
+            (True, 0.0, True, 0.0, "+grad in place"),
+            (True, 0.0, False, 15.0, "+grad softcap 15"),
         ):
             out[f"cross_entropy {n}x{v} bf16 {what}"] = (
-                lambda n=n, v=v, g=grad, z=z, i=inplace: _cross_entropy(n, v, g, z, i),
+                lambda n=n, v=v, g=grad, z=z, i=inplace, c=cap: _cross_entropy(n, v, g, z, i, c),
                 v % 8 == 0,
             )
     for d in (512, 2048):
         for v in (32000, 50257):
-            out[f"linear_cross_entropy 32768x{d}->{v} bf16"] = (
-                lambda d=d, v=v: _linear_cross_entropy(32768, d, v),
-                True,
-            )
-    # Every launch of a whole run, as its model makes them: QK-norm's over the head size among them.
-    modern = ("--preset", "0.04b", "--recipe", "modern", "--dtype", "bf16", "--micro-batch", "16")
-    out["0.04b modern run 16x1024 bf16"] = (lambda: run_launches(*planned(*modern)), True)
+            for cap, what in ((0.0, ""), (15.0, " softcap 15")):  # --logit-softcap's kernel
+                out[f"linear_cross_entropy 32768x{d}->{v} bf16{what}"] = (
+                    lambda d=d, v=v, c=cap: _linear_cross_entropy(32768, d, v, c),
+                    True,
+                )
+    # Every launch of a whole run, as its model makes them: QK-norm's over the head size among them;
+    # modern-softcap's loss is the capped kernel's (--logit-softcap 15).
+    for recipe in ("modern", "modern-softcap"):
+        flags = ("--preset", "0.04b", "--recipe", recipe, "--dtype", "bf16", "--micro-batch", "16")
+        out[f"0.04b {recipe} run 16x1024 bf16"] = (lambda flags=flags: run_launches(*planned(*flags)), True)
     return out
 
 
@@ -379,5 +386,5 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results)
     print(text)
     if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+        write_output(args.markdown, lambda f: f.write((text + "\n").encode()))
     return 0

@@ -61,13 +61,26 @@ def cpu_threads(requested: int) -> int:
     own default (every core) oversubscribes a busy machine: the README's first run took 3x longer
     with it than with one thread on a 2-core machine at load 2; on the same machine at load 0.7 two
     threads were 1.45x faster than one, so a partly busy core still counts as free. An
-    OMP_NUM_THREADS in the environment is a choice already made: torch's count, which follows it."""
+    OMP_NUM_THREADS in the environment is a choice already made: torch's count, which follows it.
+    A `requested` count is capped at the cores (threads_capped says so)."""
     if requested:
-        return requested
+        return min(requested, cores.all_cores())
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
     return max(1, (cores.all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def threads_capped(requested: int) -> str:
+    """The line for a --threads beyond the cores this process may use, which cpu_threads caps it at
+    (5,000 threads starved a 2-core machine; 100,000 crashed torch), else ''."""
+    if requested <= (usable := cores.all_cores()):
+        return ""
+    plural = "s" if usable > 1 else ""
+    return (
+        f"fastpt: warning: --threads {requested} is more than the {usable} core{plural} this process may use: "
+        f"using {usable}"
+    )
 
 
 def param_dtype(d: Dist, parallel: str, dtype: torch.dtype) -> torch.dtype:

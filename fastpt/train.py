@@ -113,7 +113,7 @@ def train(
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
         write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
-        dash = Dashboard.for_run(cfg, net.raw.flops_per_token(seq_len), seq_len, device, d.world_size)
+        dash = Dashboard.for_run(cfg, net.raw.cfg.flops_per_token(seq_len), seq_len, device, d.world_size)
         introduce(cfg, data, net, dash, state.step, chosen, backend, log)
         probe = cleanup.enter_context(closing(StepProbe(cfg, device, d.rank)))
         pace, exit_code = Pace(), 0
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
+    capped = distributed.threads_capped(cfg.threads)
     cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))
     torch.set_num_threads(cfg.threads)
     d = distributed.connect(cfg.device)  # the rank and its device; the process group comes after the plan
@@ -180,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     backend = kernel_backend(cfg, lambda: planned_model(cfg), d.device(cfg.device), d)
     cfg, chosen = fit.auto_micro_batch(cfg, backend.name)  # planned before any process group: it fakes one
     distributed.setup(d, cfg.device)
-    if d.is_main and (warning := distributed.one_process_warning(cfg.parallel, d)):
-        print_or_drop(warning, file=sys.stderr)
+    for warning in (capped, distributed.one_process_warning(cfg.parallel, d)):
+        if d.is_main and warning:
+            print_or_drop(warning, file=sys.stderr)
     try:
         # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank
         # must not kill it before it has said which rank died.

@@ -1,7 +1,7 @@
 """Faults injected into fastpt.train from outside its code, in a real process (`python -c SCRIPT`:
 a SIGKILL during a step, after a logged step or halfway through writing a checkpoint; a file-size
-limit that makes big writes fail like a full disk, EFBIG, also for root; one torchrun rank's RMSNorm
-kernel 10% off) or in this one through a
+limit that makes big writes fail like a full disk, EFBIG, also for root; file permissions that hold
+for root too: as_a_user; one torchrun rank's RMSNorm kernel 10% off) or in this one through a
 MonkeyPatch (NaN losses at chosen steps, a disk that fills up after a step)."""
 
 from __future__ import annotations
@@ -82,6 +82,20 @@ def install(fault: str, at: str, argv: list[str], patch: Callable = setattr) -> 
     patch(metrics.MetricsLogger, "log", log)
     patch(torch, "save", save)
     patch(model.Transformer, "forward", forward)
+
+
+def as_a_user() -> None:
+    """A subprocess's preexec_fn: file permissions then stop it as they stop a user (chmod 000 is
+    unreadable). Root reads any file through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: dropped from
+    the bounding set, the program it runs never holds them; a user holds neither to drop."""
+    if os.geteuid() != 0:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
 def script_args(fault: str, at: int | str, *args: str, nproc: int = 0) -> list[str]:

@@ -105,19 +105,22 @@ def test_sm_count_override_is_restored():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["seed", "modern"])
+@pytest.mark.parametrize("recipe", ["seed", "modern", "modern-softcap"])
 def test_the_kernel_probe_compiles_what_the_run_compiles(recipe):
     """On a GPU the self-check's compiles are the run's own (equal cache keys) for every launch its
-    model makes, QK-norm's over the head size under modern included, but for the RMSNorm backward's
-    over the hidden size, whose rows per program differ: the planned cost in docs/kernels.md. Both
-    lists come from the run's model: the probe's as fastpt.selfcheck records it, the run's compiled
-    at its own shapes."""
+    model makes, QK-norm's over the head size under modern included and the capped loss's under
+    modern-softcap (--logit-softcap 15), but for the RMSNorm backward's over the hidden size, whose
+    rows per program differ: the planned cost in docs/kernels.md. Both lists come from the run's
+    model: the probe's as fastpt.selfcheck records it, the run's compiled at its own shapes."""
     cfg, mcfg = aot.planned("--preset", "0.04b", "--recipe", recipe, "--dtype", "bf16", "--micro-batch", "16")
     launches = selfcheck.launches(cfg, mcfg, torch.float32)
-    keys = {}
+    keys, caps = {}, set()
     for name, call in (("probe", lambda: aot.probe_launches(launches)), ("run", lambda: aot.run_launches(cfg, mcfg))):
-        keys[name] = {(c.kernel, c.signature, str(c.constexprs)): c.key for c in aot.compile_case(call)}
-    norms = 2 if recipe == "modern" else 1  # the hidden size's, and QK-norm's (bf16 x, fp32 weight)
+        compiled = aot.compile_case(call)
+        keys[name] = {(c.kernel, c.signature, str(c.constexprs)): c.key for c in compiled}
+        caps |= {c.constexprs["SOFTCAP"] for c in compiled if c.kernel == "_cross_entropy_kernel"}
+    assert caps == {15.0 if recipe == "modern-softcap" else 0.0}, caps
+    norms = 2 if recipe.startswith("modern") else 1  # the hidden size's, and QK-norm's (bf16 x, fp32 weight)
     assert keys["probe"].keys() == keys["run"].keys() and len(keys["run"]) == 2 + 2 * norms, keys
     qk_norm = [
         k for k in keys["run"] if k[0] == "_rms_norm_fwd_kernel" and k[1].startswith("*bf16 i32 *bf16 i32 *fp32")

@@ -151,6 +151,8 @@ HALF_CASES = [
     ("cross_entropy", {"z_loss": 1e-3, "inplace_backward": True}),
     ("linear_cross_entropy", {}),
     ("linear_cross_entropy", {"z_loss": 1e-3}),
+    ("cross_entropy", {"softcap": 2.0, "inplace_backward": True}),  # logits of 3 sigma: the cap bites
+    ("linear_cross_entropy", {"z_loss": 1e-3, "softcap": 2.0}),
 ]
 
 
@@ -301,6 +303,51 @@ def test_linear_cross_entropy(ops, monkeypatch, rows, hidden, vocab, reduction, 
     )
 
 
+# Soft-capped losses: logits of about 4 sigma capped at 5, so that some saturate and some barely
+# bend; the kernels cap in fp32 as they load, the oracle in float64. fp32 agrees to ~1e-6.
+SOFTCAP = 5.0
+
+
+@pytest.mark.parametrize(
+    "rows, vocab, reduction, kwargs",
+    [
+        (1, 50257, "mean", {}),
+        (123, 1000, "sum", {"z_loss": 1e-2, "return_z_loss": True, "inplace_backward": True}),
+        (199, 123, "none", {"z_loss": 1e-2, "return_z_loss": True}),  # 32 rows per program
+    ],
+)
+def test_cross_entropy_softcap(ops, rows, vocab, reduction, kwargs):
+    logits, target = 4 * torch.randn(rows, vocab), _targets(rows, vocab, 0.2)
+    _check_op("cross_entropy", [logits], (target, -100, reduction), "triton", 1e-5, softcap=SOFTCAP, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "rows, hidden, vocab, reduction, chunk_bytes",
+    [
+        (1, 123, 50257, "mean", None),  # row stride 50304: the padding capped, then -inf
+        pytest.param(199, 760, 50257, "sum", None, marks=pytest.mark.slow),
+        (123, 760, 4099, "sum", 600_000),  # 4 chunks of 31 rows
+        (199, 64, 123, "none", 20_000),  # gradients recomputed in the backward; several rows per program
+        (199, 123, 1000, "mean", 200_000),
+    ],
+)
+def test_linear_cross_entropy_softcap(ops, monkeypatch, rows, hidden, vocab, reduction, chunk_bytes):
+    if chunk_bytes:
+        monkeypatch.setattr(scratch, "CHUNK_BYTES", chunk_bytes)
+    x, w = torch.randn(rows, hidden), 4 * torch.randn(vocab, hidden) / hidden**0.5
+    target = _targets(rows, vocab, 0.2)
+    _check_op(
+        "linear_cross_entropy",
+        [x, w],
+        (target, -100, reduction),
+        "triton",
+        1e-5,
+        z_loss=1e-2,
+        return_z_loss=True,
+        softcap=SOFTCAP,
+    )
+
+
 def test_fp32_accumulation_probe_checks_the_value(monkeypatch):
     """An addmm that accepts out_dtype=fp32 but sums in bf16 (no exception) is not trusted with
     the weight gradient, nor one that raises; one that keeps the fp32 sum is."""
@@ -358,7 +405,8 @@ def test_double_backward_refused(ops, op):
 def _opcheck_cases(dtype: torch.dtype) -> dict[str, tuple]:
     """(op, args) for every fastpt custom op. rms_norm gets a transposed x: compiled code lays
     out outputs as the fakes say, and they must match the kernels' contiguous ones, not copy the
-    input's strides as empty_like would."""
+    input's strides as empty_like would. The losses' variants alternate between uncapped and a
+    soft-cap of 5 (the logits reach past it)."""
     fastpt = torch.ops.fastpt
     randn = functools.partial(torch.randn, dtype=dtype)
     x, norm_w = randn(64, 48).t(), 1 + 0.1 * randn(64)
@@ -370,20 +418,23 @@ def _opcheck_cases(dtype: torch.dtype) -> dict[str, tuple]:
     cases = {
         "rms_norm": (fastpt.rms_norm, (grad(x), grad(norm_w), 1e-6)),
         "rms_norm_backward": (fastpt.rms_norm_backward, (randn(64, 48).t(), x, norm_w, rstd)),
-        "cross_entropy_backward": (fastpt.cross_entropy_backward, (logits, target, lse, rows, -100, 1e-2)),
-        "cross_entropy_backward_": (fastpt.cross_entropy_backward_, (logits.clone(), target, lse, rows, -100, 1e-2)),
+        "cross_entropy_backward": (fastpt.cross_entropy_backward, (logits, target, lse, rows, -100, 1e-2, 5.0)),
+        "cross_entropy_backward_": (
+            fastpt.cross_entropy_backward_,
+            (logits.clone(), target, lse, rows, -100, 1e-2, 0.0),
+        ),
         "linear_cross_entropy_backward": (
             fastpt.linear_cross_entropy_backward,
-            (h, w, target, rows, -100, 1e-2, dtype),
+            (h, w, target, rows, -100, 1e-2, dtype, 5.0),
         ),
     }
-    for inplace in (False, True):
-        cases[f"cross_entropy/{inplace}"] = (fastpt.cross_entropy, (grad(logits), target, -100, 1e-2, inplace))
+    for inplace, cap in ((False, 0.0), (True, 5.0)):
+        cases[f"cross_entropy/{inplace}"] = (fastpt.cross_entropy, (grad(logits), target, -100, 1e-2, inplace, cap))
     for reduction in ("mean", "none"):
-        for with_grad in (True, False):
+        for with_grad, cap in ((True, 5.0), (False, 0.0)):
             cases[f"linear_cross_entropy/{reduction}/{with_grad}"] = (
                 fastpt.linear_cross_entropy,
-                (grad(h), grad(w), target, -100, reduction, 1e-2, dtype, with_grad),
+                (grad(h), grad(w), target, -100, reduction, 1e-2, dtype, with_grad, cap),
             )
     return cases
 
@@ -441,6 +492,11 @@ def test_bad_arguments(monkeypatch):
             api.cross_entropy(x[None], torch.zeros(1, 2, dtype=torch.long), backend=backend)
         with pytest.raises(ValueError, match="input must be 2-D"):
             api.linear_cross_entropy(x[None], torch.ones(3, 8), torch.zeros(1, 2, dtype=torch.long), backend=backend)
+        for cap in (-1.0, float("inf"), float("nan")):
+            with pytest.raises(ValueError, match=f"softcap must be a finite number >= 0 .*got {cap}"):
+                api.linear_cross_entropy(
+                    x, torch.ones(3, 8), torch.zeros(2, dtype=torch.long), softcap=cap, backend=backend
+                )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not torch.cuda.is_available():
         assert not api.available()
@@ -466,6 +522,26 @@ def test_reference_z_loss():
     expected = p * (1 + 2e-2 * logits.detach().logsumexp(-1, keepdim=True)) - F.one_hot(target.clamp(min=0), 11)
     expected = expected * counted[:, None] / counted.sum()
     torch.testing.assert_close(logits.grad, expected)
+
+
+def test_reference_softcap():
+    """The oracle's soft-cap, against the formula written out: the loss, the z-loss (of the capped
+    logits' log-sum-exp) and the gradient through cap * tanh(x / cap), summed."""
+    logits = 10 * torch.randn(6, 11, dtype=torch.float64)
+    logits.requires_grad_()
+    target, counted = torch.tensor([3, -100, 0, 10, -100, 5]), torch.tensor([1, 0, 1, 1, 0, 1.0])[:, None]
+    t = torch.tanh(logits.detach() / 2.0)
+    capped = 2.0 * t
+    lse = capped.logsumexp(-1, keepdim=True)
+    loss, z = reference.cross_entropy(logits, target, reduction="sum", z_loss=1e-2, return_z_loss=True, softcap=2.0)
+    z_expected = 1e-2 * (lse.square() * counted).sum()
+    assert z.item() == pytest.approx(z_expected.item(), rel=1e-12)
+    ce = F.cross_entropy(capped, target, reduction="sum")
+    assert loss.item() == pytest.approx(ce.item() + z_expected.item(), rel=1e-12)
+    assert abs(ce - F.cross_entropy(logits.detach(), target, reduction="sum")) > 1  # the cap bites
+    loss.backward()
+    dcapped = capped.softmax(-1) * (1 + 2e-2 * lse) - F.one_hot(target.clamp(min=0), 11)
+    torch.testing.assert_close(logits.grad, dcapped * counted * (1 - t.square()))
 
 
 class _Head(torch.nn.Module):
@@ -512,13 +588,13 @@ def test_compile_fullgraph_cpu(ops):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def _train_losses(backend: str, device: str, steps: int, dtype: torch.dtype) -> list[float]:
+def _train_losses(backend: str, device: str, steps: int, dtype: torch.dtype, softcap: float = 0.0) -> list[float]:
     """Losses of a few AdamW steps of a small fastpt model on fixed random tokens."""
     from fastpt.config import ModelConfig
     from fastpt.model import Transformer
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_dim=192, max_seq_len=64)
+    cfg = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, ffn_dim=192, max_seq_len=64, logit_softcap=softcap)
     model = Transformer(cfg, backend).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tokens = torch.randint(0, 512, (steps, 4, 33), generator=torch.Generator().manual_seed(1)).to(device)
@@ -533,9 +609,11 @@ def _train_losses(backend: str, device: str, steps: int, dtype: torch.dtype) -> 
     return losses
 
 
-def test_tiny_model_trains_like_reference(ops):
-    triton_losses = _train_losses("triton", "cpu", 3, torch.float32)
-    assert triton_losses == pytest.approx(_train_losses("torch", "cpu", 3, torch.float32), rel=1e-5)
+# The logits start at about 0.16 sigma: a cap of 1, the least --logit-softcap allows, bends them.
+@pytest.mark.parametrize("softcap", [0.0, 1.0])
+def test_tiny_model_trains_like_reference(ops, softcap):
+    triton_losses = _train_losses("triton", "cpu", 3, torch.float32, softcap)
+    assert triton_losses == pytest.approx(_train_losses("torch", "cpu", 3, torch.float32, softcap), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- CUDA only
@@ -622,6 +700,7 @@ def test_compile_fullgraph_cuda():
 
 @cuda
 @pytest.mark.gpu
-def test_tiny_model_trains_like_reference_cuda():
-    losses = _train_losses("triton", "cuda", 30, torch.bfloat16)
-    assert losses == pytest.approx(_train_losses("torch", "cuda", 30, torch.bfloat16), rel=1e-2)
+@pytest.mark.parametrize("softcap", [0.0, 15.0])
+def test_tiny_model_trains_like_reference_cuda(softcap):
+    losses = _train_losses("triton", "cuda", 30, torch.bfloat16, softcap)
+    assert losses == pytest.approx(_train_losses("torch", "cuda", 30, torch.bfloat16, softcap), rel=1e-2)

@@ -100,7 +100,7 @@ def test_the_probes_are_the_runs_launches():
     """A bf16 run's model launches the norm over the hidden size on its fp32 residual stream, QK-norm
     over the head size on bf16 queries and keys with an fp32 weight, and the loss with its z-loss
     under autocast, with gradients (training) and per target without (evaluation); under FSDP the
-    norms get bf16 weights; a soft-capped model calls no fused loss."""
+    norms get bf16 weights; a soft-capped model's loss is the fused one, with its cap."""
     described = [str(launch) for launch in launches("bf16")]
     assert described == [
         "rms_norm(x [rows, 128] float32, weight [128] float32) under bfloat16 autocast with gradients",
@@ -118,26 +118,28 @@ def test_the_probes_are_the_runs_launches():
         (torch.bfloat16, (32,)),
     }
     capped = selfcheck.launches(TrainConfig(), dataclasses.replace(MODEL, logit_softcap=15.0), torch.float32)
-    assert {x.op for x in capped} == {"rms_norm"}
+    losses = [x for x in capped if x.op == "linear_cross_entropy"]
+    assert len(losses) == 2 and all(dict(x.options)["softcap"] == 15.0 for x in losses), losses
+    assert all("softcap=15.0" in str(x) for x in losses)
 
 
 def test_an_options_new_argument_is_recorded_and_probed(monkeypatch):
-    """An argument an op gains (a soft-cap, say) is recorded by name and passed to the probe's calls."""
+    """An argument an op gains (label smoothing, say) is recorded by name and passed to the probe's calls."""
     seen = []
     real = api.linear_cross_entropy
 
-    def with_softcap(input, weight, target, ignore_index=-100, reduction="mean", *, softcap=0.0, backend="auto"):
-        seen.append((softcap, backend))
+    def smoothed(input, weight, target, ignore_index=-100, reduction="mean", *, label_smoothing=0.0, backend="auto"):
+        seen.append((label_smoothing, backend))
         return real(input, weight, target, ignore_index, reduction, backend=backend)
 
-    monkeypatch.setattr(api, "linear_cross_entropy", with_softcap)
+    monkeypatch.setattr(api, "linear_cross_entropy", smoothed)
     x, w, target = torch.randn(4, 8, requires_grad=True), torch.nn.Parameter(torch.randn(16, 8)), torch.zeros(4).long()
     with selftest.recording() as recorded:
-        api.linear_cross_entropy(x, w, target, softcap=15.0)
+        api.linear_cross_entropy(x, w, target, label_smoothing=0.1)
     (launch,) = recorded
-    assert dict(launch.options)["softcap"] == 15.0 and "softcap=15.0" in str(launch)
+    assert dict(launch.options)["label_smoothing"] == 0.1 and "label_smoothing=0.1" in str(launch)
     selftest.run(launch, selftest.probe_inputs(launch, CPU), "torch", [])
-    assert seen == [(15.0, "auto"), (15.0, "torch")]
+    assert seen == [(0.1, "auto"), (0.1, "torch")]
 
 
 def test_the_probe_keeps_the_runs_tiles_in_two():
@@ -193,8 +195,8 @@ def region_wrong(monkeypatch, where: str) -> None:
     launch without gradients (evaluation's), or everything when its logits are bf16."""
     real = lce_ops.cross_entropy_forward
 
-    def off(logits, target, ignore_index, z_loss=0.0, grad=None, grad_scale=None, row_width=None):
-        loss, z, lse = real(logits, target, ignore_index, z_loss, grad, grad_scale, row_width)
+    def off(logits, target, ignore_index, z_loss=0.0, grad=None, grad_scale=None, row_width=None, softcap=0.0):
+        loss, z, lse = real(logits, target, ignore_index, z_loss, grad, grad_scale, row_width, softcap)
         block = ce_ops.launch_plan(logits.shape[1], logits.element_size())[1]
         if where == "past the first tile" and grad is not None:
             grad[:, block:] *= 1.1
@@ -204,6 +206,8 @@ def region_wrong(monkeypatch, where: str) -> None:
             loss *= 1.1
         elif where == "bf16 logits" and logits.dtype == torch.bfloat16 and grad is not None:
             grad *= 1.1
+        elif where == "capped" and softcap:
+            loss *= 1.1
         return loss, z, lse
 
     monkeypatch.setattr(lce_ops, "cross_entropy_forward", off)
@@ -226,6 +230,22 @@ def test_a_kernel_wrong_in_one_place_is_named(interpreted, monkeypatch, where, s
     dtype = "bf16" if where == "bf16 logits" else "fp32"  # fp32: two tiles of 9001
     found = selftest.failures([x for x in launches(dtype) if x.op == "linear_cross_entropy"], CPU)
     assert list(found) == ["linear_cross_entropy"] and said in found["linear_cross_entropy"], found
+
+
+def test_a_capped_run_probes_the_capped_kernel(interpreted, monkeypatch, capsys):
+    """--logit-softcap compiles a kernel of its own: the probe of a capped run runs it (the run's
+    launch passes softcap through), so a kernel wrong only when it caps is named for that run, and
+    not for an uncapped one."""
+    region_wrong(monkeypatch, "capped")
+    cfg, model = TrainConfig(dtype="fp32"), dataclasses.replace(MODEL, qk_norm=False)
+    assert selfcheck.kernel_backend(cfg, lambda: model, CPU, Dist()) == selfcheck.Backend("triton", "auto")
+    assert not capsys.readouterr().err
+    capped = dataclasses.replace(model, logit_softcap=15.0)
+    backend = selfcheck.kernel_backend(cfg, lambda: capped, CPU, Dist())
+    assert str(backend) == "torch (auto: linear_cross_entropy failed its check)"
+    err = capsys.readouterr().err
+    said = "fastpt: warning: kernel linear_cross_entropy failed its check on cpu in fp32: linear_cross_entropy("
+    assert err.count("\n") == 1 and err.startswith(said) and "softcap=15.0" in err, err
 
 
 # ---- each output to the precision it is computed in

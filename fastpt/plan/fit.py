@@ -11,12 +11,11 @@ import os
 import sys
 from pathlib import Path
 
-from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, load_toml
+from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
-from fastpt.files import os_reason, write_atomic
+from fastpt.files import os_reason, write_output
 from fastpt.plan.gpus import GIB, Card, card, machine_card
 from fastpt.plan.planner import Plan, describe, gib, planned_config, to_json, trace, unmodelled
-from fastpt.presets import PRESET_BATCH
 
 # --micro-batch auto leaves a fraction of the card free (fit_margin): the plan's error band
 # (PLAN_ERROR: eager 3% over the 1.4% a checked config was measured above its plan, compiled 10% over
@@ -42,21 +41,20 @@ FIT_MARGIN = fit_margin(compiled=False)
 def config_sequences(cfg: TrainConfig) -> int:
     """Sequences per optimizer step and rank that the config asks for: its micro-batch (the preset's,
     or the CPU profile's, when it says auto) x grad_accum."""
-    micro = cfg.micro_batch
-    if micro == AUTO:
-        micro = CPU_PROFILE["micro_batch"] if cfg.device == "cpu" else PRESET_BATCH.get(cfg.preset, (16, 0))[0]
-    return micro * cfg.grad_accum
+    return configured_micro_batch(cfg) * cfg.grad_accum
 
 
 def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
     """The largest micro-batch whose plan fits the card with fit_margin free that divides the
     config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
     under half the largest that fits, that one with the nearest above; the plan at it, and what it
-    chose. The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first
-    guess, then the number of micro-steps moves by one until the fit is tight."""
+    chose. Under a batch warm-up none larger than its first step's sequences (it trains whole
+    micro-batches). The card's need is about linear in the micro-batch: plans at 1 and at 4 place
+    the first guess, then the number of micro-steps moves by one until the fit is tight."""
     if gpu is None:
         raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
     sequences = config_sequences(cfg)
+    most = cfg.batch_warmup_start if cfg.batch_warmup_steps else sequences
     plans: dict[int, Plan] = {}
 
     def plan_at(micro: int) -> Plan:  # the plan at `micro`, with the fewest micro-steps that hold the sequences
@@ -75,9 +73,9 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
             f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
         )
     # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
-    candidates = sorted({-(-sequences // accum) for accum in range(1, sequences + 1)})
+    candidates = sorted(m for m in {-(-sequences // accum) for accum in range(1, sequences + 1)} if m <= most)
     accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
-    i = candidates.index(-(-sequences // accum))
+    i = candidates.index(-(-sequences // max(accum, -(-sequences // most))))
     while i + 1 < len(candidates) and fits(candidates[i + 1]):
         i += 1
     while i > 0 and not fits(candidates[i]):
@@ -85,7 +83,8 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
     largest = candidates[i]
     micro = exact_micro_batch(largest, sequences)
     best = plan_at(micro) if fits(micro) else plan_at(largest)
-    return best, chosen_line(best, sequences, largest, world_size)
+    capped = most < sequences and largest == candidates[-1]  # the warm-up's first step, not the card, set it
+    return best, chosen_line(best, sequences, largest, world_size, most if capped else 0)
 
 
 def reshards(cfg: TrainConfig, world_size: int) -> bool | None:
@@ -127,13 +126,19 @@ def exact_micro_batch(largest: int, sequences: int) -> int:
     return divisor if 2 * divisor >= largest else largest
 
 
-def chosen_line(best: Plan, sequences: int, largest: int, world_size: int) -> str:
-    """What --micro-batch auto chose and what set it: the card, or the sequences per step."""
+def chosen_line(best: Plan, sequences: int, largest: int, world_size: int, ramp_start: int = 0) -> str:
+    """What --micro-batch auto chose and what set it: the card, the sequences per step, or (ramp_start)
+    the batch warm-up's first step."""
     micro, accum, gpu = best.cfg.micro_batch, best.cfg.grad_accum, best.card
     per_rank = f" per rank (global batch {micro * accum * world_size} sequences)" if world_size > 1 else ""
     line = f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{per_rank}"
     if micro * accum != sequences:
         line += f", the nearest above the config's {sequences} (no divisor of it near {largest} fits)"
+    if ramp_start:
+        return line + (
+            f"; the batch warm-up's first step ({ramp_start} sequences, --batch-warmup-start) set the limit: "
+            f"a step trains whole micro-batches ({gpu}: {gib(best.card_bytes)} planned)"
+        )
     if micro == sequences:
         spare = gpu.usable - best.card_bytes
         return line + f"; the sequences per step set the limit, not {gpu} ({gib(spare)} to spare)"
@@ -180,7 +185,9 @@ def main(cli: dict, config_file: str | None) -> int:
     if cfg.plan_json:
         text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
         try:
-            write_atomic(Path(cfg.plan_json), lambda f: f.write(text.encode()))
+            write_output(cfg.plan_json, lambda f: f.write(text.encode()))
+        except BrokenPipeError:  # `--plan-json /dev/stdout | head`: the reader has what it wanted (run_command)
+            raise
         except OSError as e:
             raise ConfigError(f"'plan_json' = {cfg.plan_json!r}: cannot write it ({os_reason(e)})") from None
     return 0

@@ -222,7 +222,7 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
         cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         with timing.KernelTrace(mem, cuda_graphs, muon.ns_dtype(torch.device(target))) as timed:
             trace_steps(mem, step, net.raw, net.optimizers, target)
-        params, flops_per_token = net.raw.num_params(), net.raw.flops_per_token(seq_len)
+        params, flops_per_token = net.raw.num_params(), net.raw.cfg.flops_per_token(seq_len)
         groups = muon_groups(net.optimizers, muon.ns_dtype(torch.device(target))) if ddp else []
     for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
         life.nbytes = 0 if life.kind == "gradients" else life.nbytes

@@ -65,7 +65,8 @@ def run_line(step: StepTime, speed: Speed, cfg: TrainConfig) -> str:
     cost = f" = ${figure(hours * price, 2)} at ${figure(price, 2)} per GPU-hour" if price else ""
     link = f"; link assumed: {speed.link}, {speed.link_gbs:g} GB/s per direction" if step.world_size > 1 else ""
     ramp = (
-        f" (the first {cfg.batch_warmup_steps:,} ramping 1 -> {cfg.grad_accum} micro-batches: "
+        f" (the first {cfg.batch_warmup_steps:,} ramping {cfg.batch_warmup_start} -> "
+        f"{cfg.micro_batch * cfg.grad_accum} sequences per rank: "
         f"{figure(run_seconds(step, cfg) / cfg.max_steps * 1e3)} ms a step on average)"
         if cfg.batch_warmup_steps
         else ""
