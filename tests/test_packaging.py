@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -34,16 +36,16 @@ def test_every_installed_package_is_under_fastpt_and_kernels_is_a_link():
     assert not (REPO / "kernels" / "__init__.py").exists()
 
 
-def python(code: str, cwd: Path, *path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def python(code: str, cwd: Path, *sites: Path) -> subprocess.CompletedProcess:
     """`code` in a new interpreter started in `cwd` (so cwd is first on sys.path, as for `python -m`
-    there), with `path` added after it (site dirs: their .pth files, editable finders, are run)."""
-    sites = "".join(f"site.addsitedir({str(p)!r}); " for p in path)
+    there) that sees this environment's packages but not its installs' .pth files (this environment's
+    own fastpt, an editable install, is not there), and `sites` as site dirs (their .pth files run)."""
+    # `sites` first: an editable install's .pth imports its finder by a name every install of fastpt shares
+    setup = "import site, sys; " + "".join(f"site.addsitedir({str(p)!r}); " for p in sites)
+    setup += f"sys.path += {site.getsitepackages()!r}"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [sys.executable, "-c", f"import site, sys; {sites}\n{code}"],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env={**(env or os.environ), "PYTHONPATH": ""},
+        [sys.executable, "-S", "-c", f"{setup}\n{code}"], capture_output=True, text=True, cwd=cwd, env=env
     )
 
 
@@ -72,14 +74,14 @@ def import_kernels(tmp_path: Path, *roots: Path, other: bool) -> subprocess.Comp
     or pytest there), then another `kernels` package (a stand-in for Hugging Face's) if `other`, or no
     site-packages at all; prints where `kernels` and its `hub` came from, and every module loaded from
     a fastpt checkout's kernels/ folder."""
-    site = tmp_path / "site"
+    elsewhere = tmp_path / "elsewhere"
     if other:
-        (site / "kernels").mkdir(parents=True)
-        (site / "kernels" / "__init__.py").write_text("CUDAProperties = object\n")
-        (site / "kernels" / "hub.py").write_text("NAME = 'the hub module'\n")
+        (elsewhere / "kernels").mkdir(parents=True)
+        (elsewhere / "kernels" / "__init__.py").write_text("CUDAProperties = object\n")
+        (elsewhere / "kernels" / "hub.py").write_text("NAME = 'the hub module'\n")
     folders = [str(root / "kernels") for root in roots]
     code = (
-        f"sys.path[:] = {[str(r) for r in roots]!r} + ([{str(site)!r}] if {other} else [])"
+        f"sys.path[:] = {[str(r) for r in roots]!r} + ([{str(elsewhere)!r}] if {other} else [])"
         " + [p for p in sys.path if 'site-packages' not in p]\n"
         "import kernels\n"
         "hub = __import__('kernels.hub').hub.NAME if hasattr(kernels, 'CUDAProperties') else None\n"
@@ -98,7 +100,7 @@ def test_import_kernels_from_the_root_gets_the_other_distributions_package(tmp_p
     result = import_kernels(tmp_path, REPO, other=True)
     assert result.returncode == 0, result.stderr
     theirs, hub, ours, has_ops = result.stdout.split("\n")[:4]
-    assert theirs == str(tmp_path / "site" / "kernels" / "__init__.py") and hub == "the hub module"
+    assert theirs == str(tmp_path / "elsewhere" / "kernels" / "__init__.py") and hub == "the hub module"
     assert ours == "[]" and has_ops == "False"
 
 
@@ -142,14 +144,12 @@ def test_a_normal_install_runs_from_the_clone_root_and_from_anywhere(tmp_path):
     one: it once had no kernels there), and from anywhere else (the wheel's copy of kernels/)."""
     checkout = copy_checkout(tmp_path / "clone")
     pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(checkout))
-    site = tmp_path / "site"
-    zipfile.ZipFile(next((tmp_path / "wheel").glob("fastpt-*.whl"))).extractall(site)
-    assert not (site / "fastpt" / "kernels").is_symlink()
-    assert python_files(site / "fastpt") == python_files(checkout / "fastpt")  # every subpackage, kernels' too
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = f"sys.path[:] = [p for p in sys.path if 'site-packages' not in p or p == {str(site)!r}] + sys.path; {WHERE}"
-    for cwd, expected in ((checkout, checkout / "kernels"), (tmp_path, site / "fastpt" / "kernels")):
-        result = python(code, cwd, site, env=env)
+    installed = tmp_path / "installed"
+    zipfile.ZipFile(next((tmp_path / "wheel").glob("fastpt-*.whl"))).extractall(installed)
+    assert not (installed / "fastpt" / "kernels").is_symlink()
+    assert python_files(installed / "fastpt") == python_files(checkout / "fastpt")  # every subpackage, kernels' too
+    for cwd, expected in ((checkout, checkout / "kernels"), (tmp_path, installed / "fastpt" / "kernels")):
+        result = python(WHERE, cwd, installed)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == str(expected / "api.py") and not result.stderr
 
@@ -161,14 +161,19 @@ def test_an_editable_install_run_from_another_checkout_uses_that_checkouts_kerne
     and fastpt says so loudly; with no kernels found at all it says how to restore the link."""
     a, b = copy_checkout(tmp_path / "a"), copy_checkout(tmp_path / "b")
     prefix = tmp_path / "prefix"
-    pip("install", "--no-deps", "--no-build-isolation", "--prefix", str(prefix), "-e", str(a))
-    (site,) = prefix.glob("lib/python*/site-packages")
-    result = python(WHERE, b, site)
+    ours = lambda: sorted(Path(sysconfig.get_paths()["purelib"]).glob("fastpt-*.dist-info"))  # noqa: E731
+    before = ours()
+    # --ignore-installed: pip would otherwise uninstall this environment's own fastpt first (and the
+    # tests after this one, in this environment, would find no fastpt)
+    pip("install", "--no-deps", "--no-build-isolation", "--ignore-installed", "--prefix", str(prefix), "-e", str(a))
+    assert ours() == before
+    (editable,) = prefix.glob("lib/python*/site-packages")
+    result = python(WHERE, b, editable)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(b / "kernels" / "api.py") and not result.stderr
     (b / "fastpt" / "kernels").unlink()
     (b / "fastpt" / "kernels").write_text("../kernels")  # what git writes for a link with core.symlinks off
-    result = python(WHERE, b, site)
+    result = python(WHERE, b, editable)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(a / "kernels" / "api.py")
     assert "fastpt: WARNING: fastpt's kernels come from another tree" in result.stderr
