@@ -3,7 +3,10 @@
 python -m bench aot [--sms N] [--markdown PATH]
 
 Each case calls a kernel launcher (kernels.ops) on meta tensors of the real shapes with the SM
-count planned for set to the H200's 132. Every `kernel[grid](...)` launch is intercepted: the
+count planned for set to the H200's 132, or runs a whole run's model over fake tensors with the
+kernels' custom ops running their launchers (`run_launches`: every launch the run makes, as
+fastpt.selfcheck records them; `probe_launches`: the self-check's probes of those). Every
+`kernel[grid](...)` launch is intercepted (its tensors as meta tensors laid out alike): the
 kernel goes through Triton's own JITFunction.run in warm-up mode (its binder decides the
 signature, the constexprs and the pointer / divisibility-by-16 specialization, as for a real
 launch) under a stand-in driver that reports an sm_90 device, so `triton.compile` builds the PTX
@@ -24,11 +27,22 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.library import CustomOpDef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import git_commit, markdown_table
+from fastpt import selfcheck
+from fastpt.cli import parse_args
+from fastpt.config import DTYPES, TrainConfig
+from fastpt.distributed import Dist, param_dtype
+from fastpt.files import write_output
+from fastpt.kernels import api as kernels
+from fastpt.kernels import functional, selftest
+from fastpt.plan.planner import planned_config, planned_model
+from fastpt.presets import ModelConfig
 
 H200_SMS = 132
 # Per-SM limits of compute capability 9.0 (CUDA programming guide, "Technical Specifications").
@@ -58,6 +72,7 @@ class Compiled:
     global_stores: collections.Counter
     launches: int = 1  # launches that ran this compiled kernel (the chunks of a loop)
     key: str = ""  # Triton's cache key: launches with equal keys share one compile
+    signature: str = ""  # the arguments' types ("*bf16 *fp32 i32 ..."): with the constexprs, which launch this is
 
     @property
     def programs_per_sm(self) -> int:
@@ -132,7 +147,19 @@ def _inspect(kernel, grid: tuple, log: str, launches: int) -> Compiled:
         global_stores=_widths(sass, "STG"),
         launches=launches,
         key=kernel.hash,
+        signature=" ".join(t for t in kernel.src.signature.values() if t != "constexpr"),
     )
+
+
+def _meta(t: object) -> object:
+    """A fake or meta tensor as a meta tensor laid out alike (its offset included: Triton specializes
+    a pointer on its alignment); anything else as it is."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    with unset_fake_temporarily():
+        base = torch.empty(t.storage_offset() + extent, dtype=t.dtype, device=M)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 class _Intercepted:
@@ -143,6 +170,7 @@ class _Intercepted:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            args, kwargs = [_meta(a) for a in args], {k: _meta(v) for k, v in kwargs.items()}
             log = io.StringIO()
             with contextlib.redirect_stdout(log):  # ptxas's -v report, printed by Triton on request
                 kernel = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
@@ -171,7 +199,9 @@ def sm90(sms: int = H200_SMS):
     for name in OPS_MODULES:
         module = importlib.import_module(name)
         for attr, fn in list(vars(module).items()):
-            if isinstance(fn, JITFunction):
+            # Kernels only (named *_kernel): a jit helper they call must stay a JITFunction, which
+            # Triton hashes into the kernel's cache key (it cannot hash a stand-in).
+            if isinstance(fn, JITFunction) and attr.endswith("_kernel"):
                 patches.append((module, attr, fn, fn.device_caches))
                 fn.device_caches = collections.defaultdict(fn.create_binder)  # keep the real device's cache apart
                 setattr(module, attr, _Intercepted(fn, seen))
@@ -193,6 +223,41 @@ def sm90(sms: int = H200_SMS):
             setattr(module, attr, fn)
 
 
+class _RunBodies(TorchDispatchMode):
+    """fastpt's custom ops run their bodies (the launchers) on fake tensors instead of their fakes, so
+    that inside `sm90` every kernel a call would launch is intercepted; every other op as before."""
+
+    def __init__(self):
+        super().__init__()
+        ops = (op for op in vars(functional).values() if isinstance(op, CustomOpDef))
+        self.bodies = {op._qualname: op._init_fn for op in ops}  # torch's own names for them (private)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.bodies.get(func._schema.name, func)(*args, **(kwargs or {}))
+
+
+def planned(*flags: str) -> tuple[TrainConfig, ModelConfig]:
+    """The config and model of a GPU run of these fastpt.train flags, as --plan resolves them."""
+    cfg, _ = planned_config(parse_args(list(flags))[0], None)
+    return cfg, planned_model(cfg)
+
+
+def run_launches(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """The kernels a run of `cfg` launches at its own shapes: its model's training step (one block:
+    each launches alike) and evaluation's forward, as fastpt.selfcheck exercises them."""
+    params = param_dtype(Dist(world_size=cfg.plan_world_size), cfg.parallel, DTYPES[cfg.dtype])
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    with kernels.tracing_only():
+        selfcheck.exercise(cfg, mcfg, params, "triton", (cfg.micro_batch, seq_len), within=_RunBodies(), backward=True)
+
+
+def probe_launches(launches: list[selftest.Launch]) -> None:
+    """The kernels the self-check's probes of `launches` launch on a GPU (selftest.ROWS rows)."""
+    with FakeTensorMode(), kernels.tracing_only(), _RunBodies():
+        for launch in launches:
+            selftest.run(launch, selftest.probe_inputs(launch, torch.device("cpu"), selftest.ROWS), "triton", [])
+
+
 def _rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
     from fastpt.kernels.ops import rms_norm
 
@@ -201,23 +266,24 @@ def _rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
     rms_norm.rms_norm_backward(torch.empty_like(x), x, w, rstd)
 
 
-def _cross_entropy(n: int, v: int, with_grad: bool, z_loss: float, inplace: bool) -> None:
+def _cross_entropy(n: int, v: int, with_grad: bool, z_loss: float, inplace: bool, softcap: float) -> None:
     from fastpt.kernels.ops import cross_entropy
 
     logits, target = torch.empty(n, v, device=M, dtype=torch.bfloat16), torch.empty(n, dtype=torch.long, device=M)
-    _, _, lse = cross_entropy.cross_entropy_forward(logits, target, -100, z_loss)
+    _, _, lse = cross_entropy.cross_entropy_forward(logits, target, -100, z_loss, softcap=softcap)
     if with_grad:
         grad = logits if inplace else torch.empty_like(logits)
-        cross_entropy.cross_entropy_backward(logits, target, lse, torch.ones((), device=M), -100, z_loss, grad)
+        ones = torch.ones((), device=M)
+        cross_entropy.cross_entropy_backward(logits, target, lse, ones, -100, z_loss, grad, softcap)
 
 
-def _linear_cross_entropy(n: int, d: int, v: int) -> None:
+def _linear_cross_entropy(n: int, d: int, v: int, softcap: float) -> None:
     from fastpt.kernels.ops import linear_cross_entropy
 
     x, w = torch.empty(n, d, device=M, dtype=torch.bfloat16), torch.empty(v, d, device=M, dtype=torch.bfloat16)
     target = torch.empty(n, dtype=torch.long, device=M)
     ones = torch.ones((), device=M)
-    linear_cross_entropy.linear_cross_entropy_forward(x, w, target, -100, torch.bfloat16, 1e-4, ones)
+    linear_cross_entropy.linear_cross_entropy_forward(x, w, target, -100, torch.bfloat16, 1e-4, ones, softcap)
 
 
 def cases() -> dict[str, tuple[Callable[[], None], bool]]:
@@ -227,22 +293,29 @@ def cases() -> dict[str, tuple[Callable[[], None], bool]]:
         for dtype in (torch.bfloat16, torch.float32):
             out[f"rms_norm {n}x{d} {str(dtype)[6:]}"] = (lambda n=n, d=d, dt=dtype: _rms_norm(n, d, dt), True)
     for n, v in ((32768, 32000), (16384, 50257), (32768, 128256)):
-        for grad, z, inplace, what in (
-            (False, 0.0, False, "loss"),
-            (True, 0.0, False, "+grad"),
-            (True, 1e-4, False, "+grad z-loss"),
-            (True, 0.0, True, "+grad in place"),
+        for grad, z, inplace, cap, what in (
+            (False, 0.0, False, 0.0, "loss"),
+            (True, 0.0, False, 0.0, "+grad"),
+            (True, 1e-4, False, 0.0, "+grad z-loss"),
+            (True, 0.0, True, 0.0, "+grad in place"),
+            (True, 0.0, False, 15.0, "+grad softcap 15"),
         ):
             out[f"cross_entropy {n}x{v} bf16 {what}"] = (
-                lambda n=n, v=v, g=grad, z=z, i=inplace: _cross_entropy(n, v, g, z, i),
+                lambda n=n, v=v, g=grad, z=z, i=inplace, c=cap: _cross_entropy(n, v, g, z, i, c),
                 v % 8 == 0,
             )
     for d in (512, 2048):
         for v in (32000, 50257):
-            out[f"linear_cross_entropy 32768x{d}->{v} bf16"] = (
-                lambda d=d, v=v: _linear_cross_entropy(32768, d, v),
-                True,
-            )
+            for cap, what in ((0.0, ""), (15.0, " softcap 15")):  # --logit-softcap's kernel
+                out[f"linear_cross_entropy 32768x{d}->{v} bf16{what}"] = (
+                    lambda d=d, v=v, c=cap: _linear_cross_entropy(32768, d, v, c),
+                    True,
+                )
+    # Every launch of a whole run, as its model makes them: QK-norm's over the head size among them;
+    # modern-softcap's loss is the capped kernel's (--logit-softcap 15).
+    for recipe in ("modern", "modern-softcap"):
+        flags = ("--preset", "0.04b", "--recipe", recipe, "--dtype", "bf16", "--micro-batch", "16")
+        out[f"0.04b {recipe} run 16x1024 bf16"] = (lambda flags=flags: run_launches(*planned(*flags)), True)
     return out
 
 
@@ -313,5 +386,5 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results)
     print(text)
     if args.markdown:
-        Path(args.markdown).write_text(text + "\n")
+        write_output(args.markdown, lambda f: f.write((text + "\n").encode()))
     return 0

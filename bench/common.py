@@ -113,7 +113,7 @@ def kernel_rows_note(device: torch.device, rows: str) -> str:
     """What the `rows` of a table that ran fastpt's kernels ran: said on a CPU, where it is not them."""
     if device.type == "cuda":
         return ""
-    from fastpt import kernels
+    from fastpt.kernels import api as kernels
 
     if kernels.interpreting():
         return f"{rows} run the Triton kernels through Triton's CPU interpreter (TRITON_INTERPRET=1), not compiled"

@@ -19,14 +19,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, sync
-from fastpt import kernels
+from fastpt.files import write_output
 from fastpt.hf import write_json
+from fastpt.kernels import api as kernels
 from fastpt.kernels import reference
 
 EPS = 1e-6
@@ -301,5 +301,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         write_json(args.json, {"kind": "kernels", "markdown": table, "rows": rows})
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        write_output(args.markdown, lambda f: f.write((table + "\n").encode()))
     return 1 if any("error" in r and r["provider"] == "fastpt" for r in rows) else 0

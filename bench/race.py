@@ -30,6 +30,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -52,15 +53,41 @@ from bench.race_flags import (
     given_multipliers,
     lr_flags,
     numbers,
+    own_flags,
     recipes,
     seed_size,
 )
 from bench.race_stats import beats, below_range, best_run, difference, ok, summarize, tokens_to_target, widened
-from fastpt.errors import USAGE_EXIT, FastptError
+from fastpt.errors import FastptError
 
 NOT_OPTIONS = ("seed", "modern", "best")  # never members of the best combination
 
 # ---- one run
+
+
+class RunKilled(FastptError):
+    """A run that a signal stopped (the OOM killer, a kill -9, a shutdown): the race cannot go on
+    without it, yet nothing on the command line was wrong. Exit 1."""
+
+    exit_code = 1
+
+
+def outside_stop(code: int) -> str:
+    """How a run's exit code says something outside stopped it: a signal killed it (a negative
+    code) or fastpt.train stopped at one (SIGTERM, Ctrl-C: 128 + it, train.preempted_exit); '' for
+    an exit of the run's own."""
+    if code < 0:
+        return f"killed by {signal_name(-code)}"
+    if code - 128 in (signal.SIGTERM, signal.SIGINT):
+        return f"stopped by {signal_name(code - 128)}"
+    return ""
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return f"signal {number}"
 
 
 def run(
@@ -81,7 +108,12 @@ def run(
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, check=False)
     row["process_s"] = round(time.perf_counter() - start, 1)
-    if proc.returncode != 0:
+    if stopped := outside_stop(proc.returncode):  # not the run's own result: nothing to learn from it
+        raise RunKilled(
+            f"run {name} ({' '.join(flags)}) was {stopped}, which says nothing of its LR: the race stops "
+            "(the same command with --reuse keeps the runs that finished)"
+        )
+    if proc.returncode != 0:  # the run's own failure (a non-finite loss): this recipe's LR fails
         return {**row, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
     finished.write_text(json.dumps({"command": cmd, "process_s": row["process_s"]}))
     return {**row, **curve(out / "metrics.jsonl")}
@@ -133,7 +165,12 @@ class Race:
     def each(self, todo: list[tuple[str, list[str], float, tuple[float, int], int]]) -> None:
         """The runs `todo` (one()'s arguments), --jobs at a time, logged in the order given."""
         with ThreadPoolExecutor(self.args.jobs) as pool:
-            self.runs += pool.map(lambda given: self.one(*given), todo)
+            futures = [pool.submit(self.one, *given) for given in todo]
+            try:
+                self.runs += [f.result() for f in futures]
+            except RunKilled:
+                pool.shutdown(cancel_futures=True)  # the runs in flight finish; no more start
+                raise
 
     def sweep(self, recipe: str, flags: list[str], multipliers: list[float]) -> tuple[dict | None, bool]:
         """`recipe` at the full budget and the race's seed at each multiplier, the sweep widened past
@@ -207,8 +244,9 @@ class Race:
 def best_combination(rows: dict[str, dict | None], baseline: str = "seed") -> dict:
     """The options that beat the baseline at the full budget by more than two standard errors, lowest
     mean first, and the flags of the baseline with theirs: an option's own flags are what follows the
-    baseline's (`--recipe modern --unet-skips` on `modern`: `--unet-skips`); one that sets a flag the
-    baseline or a better option already set is left out (wsd-sqrt's --schedule after wsd's)."""
+    baseline's (`--recipe modern --unet-skips` on `modern`: `--unet-skips`; `--recipe modern-unet`
+    the same: race_flags.own_flags); one that sets a flag the baseline or a better option already
+    set is left out (wsd-sqrt's --schedule after wsd's)."""
     base = rows[baseline]
     winners = sorted(
         (
@@ -221,7 +259,7 @@ def best_combination(rows: dict[str, dict | None], baseline: str = "seed") -> di
     prefix = base["recipe_flags"]
     members, flags, taken = [], list(prefix), {f for f in prefix if f.startswith("--")}
     for r in winners:
-        own = r["recipe_flags"][len(prefix) :] if r["recipe_flags"][: len(prefix)] == prefix else r["recipe_flags"]
+        own = own_flags(r["recipe_flags"], prefix)
         names = {f for f in own if f.startswith("--")}
         if not names & taken:
             members.append(r["recipe"])
@@ -390,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         return race(args, argv)
     except FastptError as e:
         print(f"bench race: error: {e}", file=sys.stderr)
-        return USAGE_EXIT
+        return e.exit_code
 
 
 def race(args: argparse.Namespace, argv: list[str] | None) -> int:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
+import tempfile
 from pathlib import Path
 
 from fastpt.data.shards import MAX_VOCAB
 from fastpt.errors import FastptError
+from fastpt.recipes import CANDIDATES
+from fastpt.recipes import RECIPES as FASTPT_RECIPES
 from fastpt.settings import SEED
 
 RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to the seed recipe
@@ -32,10 +34,11 @@ RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to t
     "unet": ["--unet-skips"],
     # the same 16 sequences a step, as 4 micro-batches of 4, of which the first steps take fewer
     "batch-warmup": shlex.split("--micro-batch 4 --grad-accum 4 --batch-warmup-steps 50"),
-    **{f"modern-{name}": ["--recipe", f"modern-{name}"] for name in ("relu2", "softcap", "unet")},
+    **{f"modern-{name}": ["--recipe", f"modern-{name}"] for name in CANDIDATES},
 }
-# a recipe the sweep skips runs at the best multiplier of its base (the seed's by default)
-BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon"}
+# a recipe the sweep skips runs at the best multiplier of its base (the seed's by default); modern's
+# candidates at modern's
+BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon", **{f"modern-{name}": "modern" for name in CANDIDATES}}
 SWEPT = "seed,wsd,muon,modern"
 LR_FLAGS = {"lr": "--lr", "embed": "--embed-lr", "head": "--head-lr", "muon": "--muon-lr"}
 FITTED = ("--max-steps", "--warmup-steps")  # the race sets these per run; --muon-momentum-warmup may only be 0
@@ -127,11 +130,17 @@ def torch_sees_cuda() -> bool:
 
 
 def writable(flag: str, folder: Path) -> None:
-    """`folder` can be made and written: its nearest existing ancestor is a folder this process may
-    write in (checked, not tried, so a refused race leaves nothing behind)."""
+    """`folder` can be made and written: a file can be made in its nearest existing ancestor. Tried,
+    with a nameless temporary file (a refused race leaves nothing behind): os.access tells root that
+    /proc and /sys are writable, where nothing can be made."""
     there = next(p for p in (folder, *folder.parents) if p.exists())
-    if not (there.is_dir() and os.access(there, os.W_OK | os.X_OK)):
-        raise UsageError(f"--{flag[2:]} {str(folder)!r}: cannot write there ({str(there)!r} is not a writable folder)")
+    try:
+        with tempfile.TemporaryFile(dir=there):
+            pass
+    except OSError:
+        raise UsageError(
+            f"--{flag[2:]} {str(folder)!r}: cannot write there ({str(there)!r} is not a writable folder)"
+        ) from None
 
 
 def corpus_vocab(spec: str, vocab_size: int) -> int:
@@ -216,8 +225,22 @@ def recipes(args: argparse.Namespace) -> dict[str, list[str]]:
         raise UsageError(f"--baseline {args.baseline!r}: not a recipe of this race ({', '.join(chosen)})")
     if next(iter(chosen), None) != "seed":
         raise UsageError("the seed recipe runs first (--recipes seed,...)")
-    seed_lr = str(resolve(common_flags(args, CHECK_STEPS), args.device).lr)
-    return {name: [f.replace("{lr}", seed_lr) for f in flags] for name, flags in chosen.items()}
+    seed = resolve(common_flags(args, CHECK_STEPS), args.device)
+    chosen = {name: [f.replace("{lr}", str(seed.lr)) for f in flags] for name, flags in chosen.items()}
+    return {name: flags + relu2_width(flags, args, seed.ffn_dim) for name, flags in chosen.items()}
+
+
+def relu2_width(flags: list[str], args: argparse.Namespace, swiglu: int | None) -> list[str]:
+    """A recipe that makes the MLP relu2 without a width of its own races at the seed's parameters:
+    3/2 of the --model's --ffn-dim (SwiGLU's width; fastpt takes --ffn-dim as relu2's own). Without
+    one in --model fastpt derives the same from the preset. A bad recipe is left to check_recipes."""
+    if swiglu is None or "--ffn-dim" in flags:
+        return []
+    try:
+        relu2 = resolve(common_flags(args, CHECK_STEPS) + flags, args.device).mlp == "relu2"
+    except FastptError:
+        return []
+    return ["--ffn-dim", str(3 * swiglu // 2)] if relu2 else []
 
 
 def resolve(flags: list[str], device: str):
@@ -251,6 +274,28 @@ def common_flags(args: argparse.Namespace, steps: int) -> list[str]:
     flags = [*shlex.split(args.model), *schedule(args, steps), "--eval-every", every, "--log-every", every]
     flags += ["--eval-tokens", str(args.eval_tokens), "--ckpt-every", str(10**9)]
     return flags + (["--device", args.device] if args.device else []) + shlex.split(args.train_args)
+
+
+def own_flags(flags: list[str], base: list[str]) -> list[str]:
+    """A recipe's flags beyond a baseline's: those after the baseline's own, and where it names a
+    fastpt recipe built on the baseline's (`--recipe modern-unet` on `--recipe modern`), the settings
+    that recipe adds, as flags (`--unet-skips`)."""
+    if flags[: len(base)] == base:
+        return flags[len(base) :]
+    if not (flags[:1] == base[:1] == ["--recipe"] and len(flags) > 1 and len(base) == 2):
+        return flags
+    mine, theirs = FASTPT_RECIPES.get(flags[1]), FASTPT_RECIPES.get(base[1])
+    if mine is None or theirs is None or any(k not in mine or mine[k] != v for k, v in theirs.items()):
+        return flags
+    return [f for k, v in mine.items() if k not in theirs for f in setting_flags(k, v)] + flags[2:]
+
+
+def setting_flags(key: str, value: object) -> list[str]:
+    """fastpt.train's flags for one setting: `--unet-skips` for unet_skips True, `--mlp relu2`."""
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    return [flag, f"{value:g}" if isinstance(value, float) else str(value)]
 
 
 # ---- the LR flags

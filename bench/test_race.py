@@ -73,6 +73,15 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
             ["--save", "/dev/null/out"],
             "--save '/dev/null/out': cannot write there ('/dev/null' is not a writable folder)",
         ),
+        # issue 55: os.access tells root that /proc and /sys are writable
+        (
+            ["--save", "/proc/race-out"],
+            "--save '/proc/race-out': cannot write there ('/proc' is not a writable folder)",
+        ),
+        (
+            ["--save", "/sys/kernel/out"],
+            "--save '/sys/kernel/out': cannot write there ('/sys/kernel' is not a writable",
+        ),
     ],
 )
 def test_a_bad_flag_or_recipe_is_one_line_and_exit_2_before_any_corpus(argv, says, capsys, tmp_path, monkeypatch):
@@ -90,6 +99,7 @@ def test_a_bad_flag_or_recipe_is_one_line_and_exit_2_before_any_corpus(argv, say
     [
         (["--device", "cuda", "--work", "/tmp/fastpt-race-test"], "--device cuda: torch sees no CUDA device"),
         (["--work", "/dev/null/runs"], "--work '/dev/null/runs': cannot write there ('/dev/null' is not a writable"),
+        (["--work", "/proc/runs"], "--work '/proc/runs': cannot write there ('/proc' is not a writable folder)"),
     ],
 )
 def test_no_gpu_or_an_unwritable_work_folder_is_refused_first(argv, says, capsys, monkeypatch):
@@ -129,6 +139,23 @@ def test_muon_plain_gives_the_embedding_and_head_the_seeds_lr():
     plain = race_flags.recipes(args)["muon-plain"]
     assert plain[plain.index("--head-lr") + 1] == plain[plain.index("--embed-lr") + 1] == "0.002"  # the CPU seed's
     assert resolved_lrs(plain, args) == {"lr": 0.002, "head": 0.002, "muon": 0.02}
+
+
+def test_relu2_races_at_the_seeds_parameters():
+    """The race's model gives SwiGLU's --ffn-dim 176; fastpt takes --ffn-dim as relu2's own width,
+    so a relu2 recipe (by flag or by fastpt recipe) races 264 wide: the seed's parameters."""
+    from fastpt.presets import model_config
+
+    args = race.parse_args(["--recipes", "seed,modern,relu2,modern-relu2,modern-unet"])
+    chosen = race_flags.recipes(args)
+    assert chosen["relu2"] == ["--mlp", "relu2", "--ffn-dim", "264"]
+    assert chosen["modern-relu2"] == ["--recipe", "modern-relu2", "--ffn-dim", "264"]
+    assert chosen["modern-unet"] == ["--recipe", "modern-unet"]
+    sizes = {
+        name: model_config(race_flags.resolve(race_flags.common_flags(args, 100) + flags, "cpu"), 1024).num_params()
+        for name, flags in chosen.items()
+    }
+    assert sizes["relu2"] == sizes["seed"] and sizes["modern-relu2"] == sizes["modern"]
 
 
 def resolved_lrs(flags: list[str], args) -> dict[str, float]:
@@ -267,8 +294,9 @@ def test_the_race_over_stand_in_runs(tmp_path, monkeypatch, capsys):
 
 def test_an_ablation_combines_what_beats_its_baseline_on_the_baselines_flags():
     """--baseline modern: the options beating modern by 2 SE join it by their own flags (those after
-    modern's); an option whose own flags clash (another --recipe) stays out, as do worse ones. On the
-    seed's baseline, the same rows give what beat the seed."""
+    modern's, or what a `modern-*` recipe adds to modern: `--recipe modern-unet` is `--unet-skips`);
+    one whose own flags clash (another recipe, or a flag a better one set) stays out, as do worse
+    ones. On the seed's baseline, the same rows give what beat the seed."""
 
     def row(name: str, flags: str, mean: float) -> dict:
         seeds = [{"seed": s, "final_val_loss": mean + d} for s, d in ((1, -0.01), (2, 0.0), (3, 0.01))]
@@ -277,14 +305,29 @@ def test_an_ablation_combines_what_beats_its_baseline_on_the_baselines_flags():
     rows = {
         "seed": row("seed", "", 4.2),
         "modern": row("modern", "--recipe modern", 3.6),
-        "mx": row("mx", "--recipe modern-unet", 3.4),
+        "other": row("other", "--recipe seed --qk-norm", 3.3),
+        **{n: row(n, " ".join(race_flags.RECIPES[n]), m) for n, m in (("modern-unet", 3.4), ("modern-softcap", 3.55))},
         "mu": row("mu", "--recipe modern --unet-skips", 3.5),
-        "ms": row("ms", "--recipe modern --logit-softcap 15", 3.55),
-        "mr": row("mr", "--recipe modern --mlp relu2", 3.7),
+        "modern-relu2": row("modern-relu2", "--recipe modern-relu2", 3.7),
     }
     on_modern = race.best_combination(rows, "modern")
-    assert on_modern == {"members": ["mu", "ms"], "flags": "--recipe modern --unet-skips --logit-softcap 15".split()}
-    assert race.best_combination(rows) == {"members": ["mx"], "flags": ["--recipe", "modern-unet"]}
+    assert on_modern == {
+        "members": ["modern-unet", "modern-softcap"],
+        "flags": "--recipe modern --unet-skips --logit-softcap 15".split(),
+    }
+    assert race.best_combination(rows) == {"members": ["other"], "flags": "--recipe seed --qk-norm".split()}
+
+
+def test_modern_candidates_run_at_moderns_lr(tmp_path, monkeypatch):
+    """Not swept, `modern-unet` runs at the multiplier modern's sweep chose (not the seed's)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race, "run", stand_in)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed,modern,modern-unet", "--speed-rounds", "1"]
+    argv += ["--multiplier", "seed=4", "--multiplier", "modern=2", "--baseline", "modern"]
+    assert race.main([*argv, "--work", str(tmp_path / "w"), "--save", str(tmp_path / "out")]) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    assert {row["recipe"]: row["multiplier"] for row in r["rows"]} == {"seed": 4, "modern": 2, "modern-unet": 2}
 
 
 def test_the_baseline_is_every_rows_comparison(tmp_path, monkeypatch, capsys):
@@ -335,6 +378,47 @@ def test_jobs_trains_runs_at_once_and_records_them_as_one_at_a_time_would(tmp_pa
         (results[jobs],) = json.loads((out / "race.json").read_text())["corpora"].values()
     assert results[1]["runs"] == results[2]["runs"] and results[1]["rows"] == results[2]["rows"]
     assert race.main([*argv, "--jobs", "0"]) == 2
+
+
+@pytest.mark.parametrize("code", [-9, 143])
+def test_a_killed_run_fails_the_race_naming_it_and_a_diverged_one_is_a_failed_lr(code, tmp_path, monkeypatch, capsys):
+    """--jobs 2: a run a signal killed (-9) or stopped (fastpt.train's 143 after a SIGTERM) is no
+    verdict on its LR: the race exits 1 naming it (recipe, LR, budget, seed). A run that failed on
+    its own (exit 1, a non-finite loss) is a failed LR, as before: the race goes on to its result."""
+
+    def train(cmd, **kwargs):
+        if "fastpt.train" not in cmd:  # the race's own `uptime`
+            return run(cmd, **kwargs)
+        out, lr = Path(cmd[cmd.index("--out") + 1]), float(cmd[cmd.index("--lr") + 1])
+        if lr == 0.001:  # x0.5 of the CPU seed's 0.002: diverged
+            return subprocess.CompletedProcess(cmd, 1, "", "fastpt: error: non-finite loss or gradient norm at step 3")
+        if lr == 0.004 and killed:  # x2
+            return subprocess.CompletedProcess(cmd, code, "", "")
+        out.mkdir(parents=True)
+        metrics(out / "metrics.jsonl", 2048, {10: 4.0 - lr})
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    run = subprocess.run
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text('{"vocab_size": 256}')
+    monkeypatch.setattr(race.subprocess, "run", train)
+    argv = ["--corpora", str(tmp_path / "data"), "--recipes", "seed", "--speed-rounds", "0", "--seeds", "1"]
+    argv += ["--budgets", "1", "--widen", "0", "--jobs", "2", "--work", str(tmp_path / "w")]
+    killed = True
+    assert race.main(argv) == 1
+    err = capsys.readouterr().err
+    stopped = "killed by SIGKILL" if code < 0 else "stopped by SIGTERM"
+    assert err.startswith(f"bench race: error: run seed-x2-b1-seed1337 (--lr 0.004 --seed 1337) was {stopped}")
+    assert err.count("\n") == 1, err
+    killed = False
+    assert race.main([*argv, "--save", str(tmp_path / "out")]) == 0
+    (r,) = json.loads((tmp_path / "out" / "race.json").read_text())["corpora"].values()
+    assert [x.get("error", "") for x in r["runs"]] == [
+        "fastpt: error: non-finite loss or gradient norm at step 3",
+        "",
+        "",
+    ]
+    assert r["rows"][0]["multiplier"] == 2
 
 
 def test_a_budget_counts_the_tokens_its_runs_trained(tmp_path, monkeypatch):

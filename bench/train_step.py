@@ -43,6 +43,7 @@ from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import write_shard
 from fastpt.distributed import Dist, parallelize
 from fastpt.errors import FastptError
+from fastpt.files import write_output
 from fastpt.hf import write_json
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
@@ -193,7 +194,7 @@ def build(setup: Setup, mode: Mode, backend: str | None = None) -> Run:
         step,
         loader,
         fastpt_model.num_params(),
-        fastpt_model.flops_per_token(setup.seq_len),
+        fastpt_model.cfg.flops_per_token(setup.seq_len),
         setup.micro_batch * setup.seq_len * setup.grad_accum,
         model,
         optimizer,
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
             {"kind": "train_step", "losses_agree": agree, "markdown": table, "rows": [{**info, **r} for r in rows]},
         )
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        write_output(args.markdown, lambda f: f.write((table + "\n").encode()))
     return 0 if agree else 1
 
 

@@ -23,6 +23,7 @@ import io
 import pickle
 import re
 import warnings
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -32,7 +33,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fastpt import integrity
-from fastpt.errors import CheckpointError, FastptError
+from fastpt.errors import CheckpointError, DamagedCheckpoint, FastptError
 from fastpt.model import Transformer
 from fastpt.presets import ModelConfig
 
@@ -139,6 +140,11 @@ def find(path: Path) -> Path:
     if path.is_file() or NAME.match(path.name):
         return path
     found = latest(path)
+    if found is None and (any(path.glob("train_*.bin")) or (path / "train.bin").is_file()):
+        raise CheckpointError(
+            f"{path} is a data folder (token shards), not a run: "
+            "give a run folder (fastpt.train's --out) or a checkpoint"
+        )
     if found is None:
         raise CheckpointError(f"no checkpoint in {path} (train with --out {path} first)")
     return found
@@ -159,14 +165,29 @@ def reason(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
+def unreadable_bytes(verified: bool) -> type[CheckpointError]:
+    """What a checkpoint is whose bytes torch cannot make sense of: damaged (DamagedCheckpoint, which
+    --resume skips) when nothing vouches for them; bytes that matched their checksum are exactly what
+    fastpt wrote, so what fails is this code reading them (another torch or fastpt), not the file."""
+    return CheckpointError if verified else DamagedCheckpoint
+
+
+def os_refused(path: Path, e: OSError) -> CheckpointError:
+    """The OS would not let us read a checkpoint (a permission, an I/O error, a folder for a file):
+    one line naming the file and why, never called damage (its bytes were never seen)."""
+    return CheckpointError(f"could not read checkpoint {e.filename or path}: {e.strerror or e}")
+
+
+def unpickling_error(
+    file: Path, e: pickle.UnpicklingError, error: type[CheckpointError] = DamagedCheckpoint
+) -> CheckpointError:
     """One line for a file that the weights-only unpickler would not read: refused, naming the
     global or class it would have called; a file that is no pickle at all, with the reason."""
     named = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
     if named:
         name = named.group(1) or named.group(2)
         what = " (a NumPy array: fastpt saves NumPy's RNG state as a tensor)" if name.startswith("numpy") else ""
-        return CheckpointError(
+        return error(
             f"refused to load {file}: it names {name}{what}, which a fastpt "
             "checkpoint never holds and loading could run code (re-save a trusted one as plain "
             "tensors and values)"
@@ -174,7 +195,7 @@ def unpickling_error(file: Path, e: pickle.UnpicklingError) -> CheckpointError:
     lines = [line for line in str(e).splitlines() if line.strip()]
     after = [b for a, b in zip(lines, lines[1:]) if "WeightsUnpickler error" in a]  # torch's own reason
     reason = (after or lines or [type(e).__name__])[0]
-    return CheckpointError(f"could not read checkpoint {file}: {reason}")
+    return error(f"could not read checkpoint {file}: {reason}")
 
 
 def load(path: str | Path, map_location: str | torch.device = "cpu", *, deferred: bool = False) -> dict:
@@ -185,7 +206,13 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", *, deferred
     time by `apply` as it copies each into its live tensor, so the checkpoint is never held whole."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
-    integrity.verify(path, STATE_FILE)  # damaged bytes: CheckpointError, before torch reads any of them
+    try:
+        verified = integrity.verify(path, STATE_FILE)  # damaged bytes: DamagedCheckpoint, before torch reads any
+    except OSError as e:
+        raise os_refused(path, e) from None
+    bad = unreadable_bytes(verified)
+    if file.is_file() and not zipfile.is_zipfile(file):  # torch's own error would advise on torch.save's options
+        raise bad(f"could not read checkpoint {file}: not a whole checkpoint (cut short, or another file)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's notes on odd pickle protocols: the error below says it all
@@ -195,12 +222,13 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", *, deferred
                 mmap = torch.device(map_location).type == "cpu"
                 ckpt = torch.load(file, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise unpickling_error(file, e) from None
-    except Exception as e:  # damaged bytes fail anywhere in torch's reader: IndexError, EOFError, zip errors ...
-        raise CheckpointError(f"could not read checkpoint {file}: {reason(e)}") from None
+        raise unpickling_error(file, e, bad) from None
+    except Exception as e:  # damaged bytes fail anywhere in torch's reader: IndexError, EOFError, zip errors,
+        # OSError(EINVAL) ... (`verify` opened and read the file, so the OS lets us read it)
+        raise bad(f"could not read checkpoint {file}: {reason(e)}") from None
     missing = [k for k in REQUIRED_KEYS if not (isinstance(ckpt, dict) and isinstance(ckpt.get(k), dict))]
     if missing:
-        raise CheckpointError(f"{file} is not a fastpt checkpoint (no {', '.join(map(repr, missing))})")
+        raise bad(f"{file} is not a fastpt checkpoint (no {', '.join(map(repr, missing))})")
     if deferred:  # the rest is small (the loader's, RNG, the loop's state): read now
         read = deferred_reader(file, map_location)
         ckpt = {k: v if k in TENSOR_KEYS else tree_map(read, v) for k, v in ckpt.items()}
@@ -219,7 +247,7 @@ def deferred_reader(file: Path, map_location: str | torch.device = "cpu") -> Cal
         with open(file, "rb") as f:
             f.seek(storage._checkpoint_offset)
             if f.readinto(data.numpy()) != storage.nbytes():
-                raise CheckpointError(f"could not read checkpoint {file}: it is cut short")
+                raise DamagedCheckpoint(f"could not read checkpoint {file}: it is cut short")
         return data.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset()).to(map_location)
 
     return read
@@ -268,15 +296,18 @@ def _safe_dcp() -> tuple[type, type]:
 
         def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
             file = Path(self.path) / ".metadata"
+            bad = unreadable_bytes(integrity.carries_checksums(Path(self.path)))  # `load` verified the folder
             try:
                 with open(file, "rb") as f:
                     metadata = _MetadataUnpickler(f).load()
                 if not isinstance(metadata, dcp_metadata.Metadata):
                     raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP metadata")
+            except OSError as e:
+                raise os_refused(file, e) from None
             except pickle.UnpicklingError as e:
-                raise unpickling_error(file, e) from None
+                raise unpickling_error(file, e, bad) from None
             except Exception as e:  # damaged bytes: EOFError, IndexError, ...
-                raise CheckpointError(f"could not read checkpoint {file}: {reason(e)}") from None
+                raise bad(f"could not read checkpoint {file}: {reason(e)}") from None
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = dcp_metadata.StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -293,7 +324,8 @@ def _safe_dcp() -> tuple[type, type]:
             try:
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise unpickling_error(self.path / f"item {read_item.dest_index.fqn!r}", e) from None
+                bad = unreadable_bytes(integrity.carries_checksums(self.path))
+                raise unpickling_error(self.path / f"item {read_item.dest_index.fqn!r}", e, bad) from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
@@ -326,12 +358,18 @@ def apply(path: Path, ckpt: dict, states: dict[str, Stateful]) -> None:
                 stateful.load_state_dict(copied_into(stateful.state_dict(), ckpt[name], deferred_reader(path)))
             else:
                 stateful.load_state_dict(ckpt[name])
-        except (Exception, CheckpointException) as e:  # a state of the wrong shape or type: a damaged checkpoint
+        except (Exception, CheckpointException) as e:
             if isinstance(e, CheckpointException):  # DCP wraps what each rank raised
                 e = next(iter(e.failures.values()))[0]
-            if isinstance(e, FastptError):  # a refused file (CheckpointError), a loader that does not fit the data
+            if isinstance(e, FastptError):  # a refused or damaged file, a loader that does not fit the data
                 raise type(e)(str(e) if str(path) in str(e) else f"{path}: {e}") from None
-            raise CheckpointError(f"could not load the {name} state from {path}: {reason(e)}") from None
+            if isinstance(e, OSError):
+                raise os_refused(path, e) from None
+            # Bytes read whole (and verified, when they carry checksums) in a state of another shape or
+            # kind: the code or config that reads them differs from the one that wrote them. Not damage.
+            raise CheckpointError(
+                f"could not load the {name} state from {path}: {reason(e)} (it does not fit this run's {name})"
+            ) from None
     integrity.warn_if_unverified(path)  # a checkpoint written before checksums: loaded, said once
 
 
@@ -366,15 +404,22 @@ def restore(
 ) -> tuple[Path, dict, list[tuple[Path, str]]] | None:
     """The newest checkpoint that loads: `apply(path, ckpt)` puts it into the run (and may raise
     CheckpointError too). Returns it, its contents and each newer one skipped as damaged with why;
-    None when the folder holds no checkpoint, CheckpointError when none of them loads."""
+    None when the folder holds no checkpoint, CheckpointError when none of them loads. Only proven
+    damage (DamagedCheckpoint) is skipped: any other failure (the OS refused to read it, it does not
+    fit this code) stops here, as an older checkpoint would silently cost the newer one's steps."""
     skipped = []
     for path in reversed(checkpoints(run_dir)):
         try:
             ckpt = load(path, map_location, deferred=True)
             apply(path, ckpt)
-        except CheckpointError as e:
+        except DamagedCheckpoint as e:
             skipped.append((path, str(e)))
             continue
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"{e}; not known to be damaged, so --resume takes no older checkpoint in its place: "
+                "nothing was changed (fix the cause and resume again)"
+            ) from None
         return path, ckpt, skipped
     if skipped:  # the run's history is damaged, not absent: left as it is for a person to mend, never started over
         names = ", ".join(path.name for path, _ in skipped)

@@ -220,7 +220,7 @@ def build_checkpointer(cfg: TrainConfig, data: Data, net: Net, state: TrainState
         "rng": RNGState(),
         "train_state": state,
     }
-    meta = {"model_config": dataclasses.asdict(data.model_config), "train_config": dataclasses.asdict(cfg)}
+    meta = {"model_config": data.model_config.to_dict(), "train_config": dataclasses.asdict(cfg)}
     return Checkpointer(Path(cfg.out), states, meta, cfg.keep_checkpoints, is_main)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastpt.checkpoint import saved_config
 from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, load_toml, recipe_values
-from fastpt.errors import ArgumentParser, ConfigError, suggest
+from fastpt.errors import ArgumentParser, ConfigError, elsewhere, suggest
 from fastpt.presets import describe_presets
 
 # A run's config.toml keys that say where and how it ran this time, never what it is.
@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> tuple[dict, str | None]:
             ap.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=help_text, metavar=name.upper())
     args, unknown = ap.parse_known_args(spelled_out(sys.argv[1:] if argv is None else argv))
     if unknown:
-        hint = suggest(unknown[0].split("=")[0], flags)
+        flag = unknown[0].split("=")[0]
+        hint = elsewhere(flag) or suggest(flag, flags)
         raise ConfigError(f"command line: unrecognized argument '{unknown[0]}'{hint}")
     args = vars(args)
     return args, args.pop("config", None)

@@ -19,13 +19,30 @@ from typing import Any
 
 import torch
 
-from fastpt import float8, kernels
-from fastpt.errors import ConfigError, suggest
+from fastpt import float8
+from fastpt.errors import ConfigError, elsewhere, suggest
+from fastpt.kernels import api as kernels
 from fastpt.plan import gpus
-from fastpt.presets import ATTENTIONS, PRESET_BATCH, PRESETS, shape_keys
+from fastpt.presets import ATTENTIONS, MAX_SEQ_LEN, PRESET_BATCH, PRESETS, shape_keys
 from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names
 from fastpt.recipes import RECIPES, describe
-from fastpt.settings import BETA, NON_NEGATIVE, PLAN_WORLD, POSITIVE, SEED, UNIT, Interval, setting, shape
+from fastpt.settings import (
+    BATCH,
+    BETA,
+    COUNT,
+    DECAY,
+    LR,
+    LR_OR_DEFAULT,
+    PLAN_WORLD,
+    SEED,
+    SOFTCAP,
+    STEPS,
+    THREADS,
+    UNIT,
+    Interval,
+    setting,
+    shape,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -71,7 +88,8 @@ class TrainConfig:
     resume: bool = setting(
         False,
         "continue from the newest complete checkpoint in --out; without one it starts the run "
-        "(the same command after a preemption), saying why",
+        "(the same command after a preemption), saying why, unless --out is missing and its name a typo of "
+        "a run's beside it (refused, naming that run)",
     )
     resume_require: bool = setting(
         False,
@@ -80,9 +98,10 @@ class TrainConfig:
     )
     threads: int = setting(
         0,
-        "CPU threads for torch's operators; 0 = the cores not busy now (the cores this process may use "
-        "minus the 1-minute load average, shared by torchrun's local ranks), at least 1",
-        domain=NON_NEGATIVE,
+        "CPU threads for torch's operators, at most the cores this process may use (more are capped, saying so); "
+        "0 = the cores not busy now (those cores minus the 1-minute load average, shared by torchrun's local "
+        "ranks), at least 1",
+        domain=THREADS,
     )
     init_from: str = setting(
         "",
@@ -90,7 +109,9 @@ class TrainConfig:
         "and weights replace the preset's; without --data its tokenizer prepares the "
         "default corpus",
     )
-    seq_len: int = setting(0, "tokens per training sequence; 0 = the model's max_seq_len", domain=NON_NEGATIVE)
+    seq_len: int = setting(
+        0, "tokens per training sequence; 0 = the model's max_seq_len", domain=Interval(0, MAX_SEQ_LEN)
+    )
     attention: str = setting(
         "causal",
         "causal: a token sees every earlier token of its window; document: only "
@@ -105,7 +126,9 @@ class TrainConfig:
     n_layers: int | None = shape("transformer blocks")
     n_heads: int | None = shape("attention heads")
     n_kv_heads: int | None = shape("key/value heads (grouped-query attention); 0 = n_heads")
-    ffn_dim: int | None = shape("SwiGLU hidden width")
+    ffn_dim: int | None = shape(
+        "the MLP's hidden width, either MLP's (relu2: 3/2 of the preset's SwiGLU width, its parameters)"
+    )
     max_seq_len: int | None = shape("longest sequence (RoPE table)")
     rope_theta: float | None = shape("RoPE base")
     norm_eps: float | None = shape("RMSNorm epsilon")
@@ -114,14 +137,15 @@ class TrainConfig:
         "RMSNorm over each head's queries and keys before RoPE (as Qwen3; exports as Qwen3ForCausalLM)", recipe=True
     )
     mlp: str | None = shape(
-        "the MLP: swiglu, or relu2: relu(x W1)^2 W2, 3/2 of ffn_dim wide to match SwiGLU's parameters "
-        "(modded-nanogpt, nanochat; no Hugging Face export)",
+        "the MLP: swiglu, or relu2: relu(x W1)^2 W2, by default 3/2 of the preset's ffn_dim wide, at SwiGLU's "
+        "parameters (modded-nanogpt, nanochat; no Hugging Face export)",
         recipe=True,
     )
     logit_softcap: float | None = shape(
         "cap the LM head's logits at +-this by cap * tanh(logits / cap) (Gemma 2, nanochat); 0 = off "
         "(no Hugging Face export)",
         recipe=True,
+        domain=SOFTCAP,
     )
     unet_skips: bool | None = shape(
         "U-net skips: block i's input joins block n_layers-1-i's output through a learned scalar "
@@ -132,19 +156,26 @@ class TrainConfig:
         False, "start the output projections (attention wo, MLP down) at zero (modded-nanogpt, nanochat)", recipe=True
     )
     # optimisation: the seed's values
-    max_steps: int = setting(10000, "optimizer steps", domain=POSITIVE)
+    max_steps: int = setting(10000, "optimizer steps", domain=COUNT)
     micro_batch: int | str = setting(
-        16, "sequences per forward/backward, the preset's by default; auto: the most that fit the GPU", domain=POSITIVE
+        16, "sequences per forward/backward, the preset's by default; auto: the most that fit the GPU", domain=BATCH
     )
-    grad_accum: int = setting(4, "micro-batches per optimizer step, the preset's by default", domain=POSITIVE)
-    lr: float = setting(5e-4, "peak learning rate", domain=POSITIVE)
+    grad_accum: int = setting(4, "micro-batches per optimizer step, the preset's by default", domain=BATCH)
+    lr: float = setting(5e-4, "peak learning rate", domain=LR)
     min_lr_ratio: float = setting(0.1, "the schedule's floor as a fraction of the peak", domain=UNIT)
-    warmup_steps: int = setting(500, "linear warmup steps", domain=NON_NEGATIVE)
+    warmup_steps: int = setting(500, "linear warmup steps", domain=STEPS)
     batch_warmup_steps: int = setting(
         0,
-        "batch-size warm-up: micro-batches per step rise linearly from 1 to grad_accum over these first steps "
-        "(GPT-3's batch ramp); 0 = off",
-        domain=NON_NEGATIVE,
+        "batch-size warm-up: the sequences per step rise linearly from batch_warmup_start to the full batch "
+        "(micro_batch x grad_accum) over these first steps (GPT-3's batch ramp); 0 = off",
+        domain=STEPS,
+        recipe=True,
+    )
+    batch_warmup_start: int = setting(
+        0,
+        "sequences per step (per rank) at the batch warm-up's first step; 0 = one micro-batch as configured "
+        "(the preset's under micro_batch auto, which then picks no larger one)",
+        domain=Interval(0, BATCH.high**2),  # at most micro_batch x grad_accum's ceilings
         recipe=True,
     )
     schedule: str = setting(
@@ -174,34 +205,32 @@ class TrainConfig:
         choices=("adamw", "muon"),
         recipe=True,
     )
-    muon_lr: float = setting(
-        0.02, "Muon's peak learning rate (--optimizer muon), on the same schedule", domain=POSITIVE
-    )
+    muon_lr: float = setting(0.02, "Muon's peak learning rate (--optimizer muon), on the same schedule", domain=LR)
     muon_momentum: float = setting(
         0.95, "Muon's (Nesterov) momentum, reached after muon_momentum_warmup steps", domain=BETA, recipe=True
     )
     muon_momentum_warmup: int = setting(
-        300, "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0 = off", domain=NON_NEGATIVE
+        300, "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0 = off", domain=STEPS
     )
     muon_weight_decay: float = setting(
-        0.0, "Muon's decoupled weight decay: each step shrinks its matrices by lr * this", domain=NON_NEGATIVE
+        0.0, "Muon's decoupled weight decay: each step shrinks its matrices by lr * this", domain=DECAY
     )
     embed_lr: float = setting(
         0.0,
         "--optimizer muon: the untied embedding's peak AdamW LR; 0 = 0.004 * (dim / 768) ** -0.5 "
         "(nanochat's 0.2, for its embedding at init std 1, at ours of 0.02)",
-        domain=NON_NEGATIVE,
+        domain=LR_OR_DEFAULT,
     )
     head_lr: float = setting(
         0.0,
         "--optimizer muon: the head's peak AdamW LR, a tied embedding's too (the head's scale, as modded-nanogpt's "
         "tied records ran it); 0 = nanochat's 0.004 * (dim / 768) ** -0.5",
-        domain=NON_NEGATIVE,
+        domain=LR_OR_DEFAULT,
     )
     muon_adam_beta1: float = setting(
         0.8, "--optimizer muon: beta1 of the embedding's and head's AdamW (beta2 is beta2; nanochat's 0.8)", domain=BETA
     )
-    weight_decay: float = setting(0.1, "AdamW weight decay", domain=NON_NEGATIVE)
+    weight_decay: float = setting(0.1, "AdamW weight decay", domain=DECAY)
     decay_rule: str = setting(
         "ndim",
         "ndim: decay tensors with >= 2 dims; strict: also spare biases, norms, embeddings",
@@ -210,12 +239,14 @@ class TrainConfig:
     )
     beta1: float = setting(0.9, "AdamW beta1", domain=BETA)
     beta2: float = setting(0.95, "AdamW beta2", domain=BETA)
-    eps: float = setting(1e-8, "AdamW epsilon", domain=POSITIVE)
-    max_grad_norm: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping", domain=NON_NEGATIVE)
+    eps: float = setting(1e-8, "AdamW epsilon", domain=Interval(0, 1, low_open=True))  # past 1: above any gradient
+    max_grad_norm: float = setting(  # a norm of a million clips nothing: 0 says so
+        1.0, "clip the global gradient norm to this; 0 = no clipping", domain=Interval(0, 1e6)
+    )
     z_loss: float = setting(
         0.0,
         "z-loss coefficient (PaLM, OLMo: 1e-4): adds z_loss * logsumexp^2 to the loss, logged apart as z_loss; 0 = off",
-        domain=NON_NEGATIVE,
+        domain=UNIT,
         recipe=True,
     )
     # speed
@@ -240,9 +271,9 @@ class TrainConfig:
     fsdp_reshard_grads: bool = setting(False, "FSDP: reduce-scatter every micro-step (no unsharded gradients kept)")
     profile: str = setting("", "record torch.profiler traces of steps START:END (e.g. 3:5) into OUT/profile; '' = off")
     # bookkeeping
-    log_every: int = setting(10, "steps between dashboard lines / metrics records", domain=POSITIVE)
-    eval_every: int = setting(500, "steps between validation evals", domain=POSITIVE)
-    eval_tokens: int = setting(262144, "validation tokens per eval", domain=POSITIVE)
+    log_every: int = setting(10, "steps between dashboard lines / metrics records", domain=COUNT)
+    eval_every: int = setting(500, "steps between validation evals", domain=COUNT)
+    eval_tokens: int = setting(262144, "validation tokens per eval", domain=COUNT)
     eval_mc: str = setting(
         "",
         "multiple-choice tasks scored at every eval: a JSONL file of rows (ctx, endings, label) as "
@@ -256,12 +287,12 @@ class TrainConfig:
         choices=("byte", "char", "token", "none"),
         recipe=True,
     )
-    ckpt_every: int = setting(1000, "steps between checkpoints", domain=POSITIVE)
-    keep_checkpoints: int = setting(3, "newest checkpoints kept on disk", domain=POSITIVE)
+    ckpt_every: int = setting(1000, "steps between checkpoints", domain=COUNT)
+    keep_checkpoints: int = setting(3, "newest checkpoints kept on disk", domain=COUNT)
     on_nonfinite: str = setting(
         "stop", "on a NaN/inf loss or gradient: stop, or skip the update", choices=("stop", "skip")
     )
-    max_skips: int = setting(10, "stop after this many skipped updates in a row", domain=POSITIVE)
+    max_skips: int = setting(10, "stop after this many skipped updates in a row", domain=COUNT)
     seed: int = setting(1337, "seed for init and data order", domain=SEED)
     tensorboard: bool = setting(False, "also write TensorBoard events to OUT/tensorboard")
     wandb: str = setting("", "Weights & Biases project to log to; '' = off")
@@ -275,7 +306,9 @@ class TrainConfig:
         1, "with --plan: GPUs to plan for (the per-rank peak under --parallel)", domain=PLAN_WORLD
     )
     plan_price: float = setting(
-        0.0, "with --plan: USD per GPU-hour, to price the run's max_steps; 0 = no cost", domain=NON_NEGATIVE
+        0.0,
+        "with --plan: USD per GPU-hour, to price the run's max_steps; 0 = no cost",
+        domain=Interval(0, 1000),  # cards rent at $1-10 an hour; 1e308 priced a run at $inf
     )
 
 
@@ -308,7 +341,7 @@ FIELD_TYPES: dict[str, type] = {  # "int | None" -> int
 def coerce(key: str, value: Any, source: str) -> Any:
     """Check one key/value pair against TrainConfig and return it with the field's type."""
     if key not in FIELD_TYPES:
-        raise ConfigError(f"{source}: unknown config key '{key}'{suggest(key, FIELD_TYPES)}")
+        raise ConfigError(f"{source}: unknown config key '{key}'{elsewhere(key) or suggest(key, FIELD_TYPES)}")
     if key == "micro_batch" and value == AUTO:
         return value
     want = FIELD_TYPES[key]
@@ -343,13 +376,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(
                 f"'{name}' = {value!r} is not one of {', '.join(map(repr, choices))}{suggest(value, choices)}"
             )
-        if domain and value != AUTO and value not in domain:
-            finite = "" if math.isfinite(value) else " (a finite number)"
+        if domain and value is not None and value != AUTO and value not in domain:  # None: the preset's shape
+            finite = " (a finite number)" if isinstance(value, float) and not math.isfinite(value) else ""
             raise ConfigError(f"'{name}' must be {domain}{finite}, got {value!r}")
     if cfg.warmup_steps > cfg.max_steps:
         raise ConfigError(f"'warmup_steps' ({cfg.warmup_steps}) is larger than 'max_steps' ({cfg.max_steps})")
-    if cfg.batch_warmup_steps and cfg.grad_accum == 1:
-        raise ConfigError("'batch_warmup_steps' ramps the micro-batches per step up to 'grad_accum', which is 1")
+    check_batch_warmup(cfg)
     if cfg.compile_mode != "default" and not cfg.compile:
         raise ConfigError(f"'compile_mode' = {cfg.compile_mode!r} needs --compile")
     if cfg.compile_mode in CUDA_GRAPH_MODES and cfg.grad_accum > 1:
@@ -384,6 +416,37 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not cfg.init_from:  # a shape that cannot work fails now, not after the data is prepared
         dataclasses.replace(PRESETS[cfg.preset], **shape_keys(cfg)).check()
     return cfg
+
+
+def configured_micro_batch(cfg: TrainConfig) -> int:
+    """The micro-batch the config asks for: its own, or the preset's (the CPU profile's) when it says auto."""
+    if cfg.micro_batch != AUTO:
+        return cfg.micro_batch
+    return CPU_PROFILE["micro_batch"] if cfg.device == "cpu" else PRESET_BATCH.get(cfg.preset, (16, 0))[0]
+
+
+def check_batch_warmup(cfg: TrainConfig) -> None:
+    """A batch warm-up ramps within the run, from whole micro-batches to more sequences than it starts with."""
+    if not cfg.batch_warmup_steps:
+        if cfg.batch_warmup_start:
+            raise ConfigError("'batch_warmup_start' needs 'batch_warmup_steps' (the steps the batch ramps over)")
+        return
+    if cfg.batch_warmup_steps > cfg.max_steps:
+        raise ConfigError(
+            f"'batch_warmup_steps' ({cfg.batch_warmup_steps:,}) is larger than 'max_steps' ({cfg.max_steps:,})"
+        )
+    micro = configured_micro_batch(cfg)
+    start, full = cfg.batch_warmup_start or micro, micro * cfg.grad_accum
+    if start >= full:
+        raise ConfigError(
+            f"'batch_warmup_steps' ramps the batch from 'batch_warmup_start' = {start} sequences up to "
+            f"micro_batch x grad_accum = {micro} x {cfg.grad_accum} = {full}: nothing to ramp; raise grad_accum"
+        )
+    if cfg.micro_batch != AUTO and start < micro:
+        raise ConfigError(
+            f"'batch_warmup_start' = {start} sequences is less than one micro-batch ('micro_batch' = {micro}): "
+            "a step trains whole micro-batches"
+        )
 
 
 def wsd_decay_steps(cfg: TrainConfig) -> int:
@@ -442,6 +505,8 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str, run: dict
     cfg = TrainConfig(**merged)
     if "warmup_steps" not in given and cfg.warmup_steps > cfg.max_steps:
         cfg.warmup_steps = cfg.max_steps // 10  # a default warmup adapts to a short run
+    if cfg.batch_warmup_steps and not cfg.batch_warmup_start:  # fixed now: --micro-batch auto must keep it
+        cfg.batch_warmup_start = configured_micro_batch(cfg)
     return validate(cfg)
 
 

@@ -37,6 +37,7 @@ class Dist:
     local_rank: int = 0
     world_size: int = 1
     peers: list = field(default_factory=list)  # (hostname, pid) of every rank, to name one that dies
+    store: object = field(default=None, repr=False)  # torchrun's rendezvous store (connect), None for one process
 
     @property
     def enabled(self) -> bool:
@@ -60,13 +61,26 @@ def cpu_threads(requested: int) -> int:
     own default (every core) oversubscribes a busy machine: the README's first run took 3x longer
     with it than with one thread on a 2-core machine at load 2; on the same machine at load 0.7 two
     threads were 1.45x faster than one, so a partly busy core still counts as free. An
-    OMP_NUM_THREADS in the environment is a choice already made: torch's count, which follows it."""
+    OMP_NUM_THREADS in the environment is a choice already made: torch's count, which follows it.
+    A `requested` count is capped at the cores (threads_capped says so)."""
     if requested:
-        return requested
+        return min(requested, cores.all_cores())
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
     return max(1, (cores.all_cores() - busy) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def threads_capped(requested: int) -> str:
+    """The line for a --threads beyond the cores this process may use, which cpu_threads caps it at
+    (5,000 threads starved a 2-core machine; 100,000 crashed torch), else ''."""
+    if requested <= (usable := cores.all_cores()):
+        return ""
+    plural = "s" if usable > 1 else ""
+    return (
+        f"fastpt: warning: --threads {requested} is more than the {usable} core{plural} this process may use: "
+        f"using {usable}"
+    )
 
 
 def param_dtype(d: Dist, parallel: str, dtype: torch.dtype) -> torch.dtype:
@@ -86,8 +100,11 @@ def one_process_warning(parallel: str, d: Dist) -> str:
     )
 
 
-def setup(device_type: str) -> Dist:
-    """Join the torchrun process group (nccl on CUDA, gloo on CPU); a plain run is world size 1."""
+def connect(device_type: str) -> Dist:
+    """This process's place in the torchrun group before the group exists: its rank and device, and
+    the rendezvous store every rank shares (`share`), so that the ranks can agree (on the kernels'
+    check) before --micro-batch auto plans, which must come before the process group (its plan
+    builds a fake one). A plain run is world size 1, with no store."""
     if device_type == "cuda":  # fp32 matmuls outside autocast (and --dtype fp32) use TF32 tensor cores
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if "RANK" not in os.environ:
@@ -95,21 +112,42 @@ def setup(device_type: str) -> Dist:
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     if device_type == "cuda":
         torch.cuda.set_device(d.local_rank)
-    timeout = datetime.timedelta(seconds=float(os.environ.get("FASTPT_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
+    store, _, _ = next(dist.rendezvous("env://", rank=d.rank, world_size=d.world_size, timeout=_timeout()))
     # The store's keys of an attempt torchrun restarted must not meet the dead attempt's (a rank that
     # read its peer's old address would fail to connect to it): one key prefix per attempt.
-    store, _, _ = next(dist.rendezvous("env://", rank=d.rank, world_size=d.world_size, timeout=timeout))
-    store = dist.PrefixStore(f"fastpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    d.store = dist.PrefixStore(f"fastpt/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    return d
+
+
+def setup(d: Dist, device_type: str) -> Dist:
+    """Join the torchrun process group of `connect`'s `d` (nccl on CUDA, gloo on CPU)."""
+    if not d.enabled:
+        return d
     dist.init_process_group(
         backend="nccl" if device_type == "cuda" else "gloo",
-        store=store,
+        store=d.store,
         rank=d.rank,
         world_size=d.world_size,
-        timeout=timeout,
+        timeout=_timeout(),
     )
     d.peers = [None] * d.world_size
     dist.all_gather_object(d.peers, (socket.gethostname(), os.getpid()))
     return d
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("FASTPT_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S)))
+
+
+def share(value: str, key: str, d: Dist) -> list[str]:
+    """Every rank's `value`, on every rank, in rank order, through the rendezvous store (no process
+    group needed): a rank that does not come within the collective timeout fails it."""
+    if not d.enabled:
+        return [value]
+    from torch.distributed.elastic.utils.store import synchronize  # one multi-get; rank 0 (the store) leaves last
+
+    got = synchronize(d.store, value.encode(), d.rank, d.world_size, f"{key}/", _timeout().total_seconds())
+    return [v.decode() for v in got]
 
 
 def _state(host: str, pid: int) -> str | None:

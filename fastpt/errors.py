@@ -36,6 +36,12 @@ class CheckpointError(FastptError, RuntimeError):
     """A checkpoint could not be written or read; the message names the file."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose bytes are proven wrong (a checksum mismatch, a file cut short or garbled,
+    another program's file): --resume skips it. Any other failure to read one (the OS refused, it
+    does not fit this code or config) is a plain CheckpointError, which stops and changes nothing."""
+
+
 class DiskError(FastptError):
     """The OS refused a write (a full disk, a read-only folder, a file-size limit); the message names
     the path and the OS's reason. Exit 1: the command line was right, the machine said no."""
@@ -75,6 +81,27 @@ ALIASES = {
     **dict.fromkeys(("float16", "half", "torch.float16"), "fp16"),
     **dict.fromkeys(("float32", "float", "torch.float32"), "fp32"),
 }
+
+
+# The other commands' flags that fastpt.train has no key for, and the command each belongs to: given
+# to fastpt.train (or in its TOML file) one is sent there, not to the train flag nearest in spelling
+# (--tokenizer is not --optimizer).
+ELSEWHERE = {
+    **dict.fromkeys(
+        ("tokenizer", "tokenizer_sample", "hf_dataset", "text_field", "val_fraction", "shard_tokens", "skip_binary"),
+        "python -m fastpt.prepare, which makes the folder that --data trains on",
+    ),
+    **dict.fromkeys(
+        ("ckpt", "prompt", "num_samples", "max_new_tokens", "temperature", "top_k"),
+        "python -m fastpt.sample, which generates text from a run",
+    ),
+}
+
+
+def elsewhere(name: str) -> str:
+    """' (a flag of python -m fastpt.prepare, ...)' for another command's flag or key `name`, else ''."""
+    command = ELSEWHERE.get(name.lstrip("-").replace("-", "_").lower())
+    return f" (a flag of {command})" if command else ""
 
 
 def closest(name: str, valid) -> str | None:

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -42,17 +43,60 @@ def os_reason(e: BaseException) -> str:
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """Call write(file) on a temp name, fsync, rename over path: readers see old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write_atomic_all({path: write})
+
+
+def write_atomic_all(writes: dict[Path, Callable[[IO[bytes]], object]]) -> None:
+    """write_atomic for several files at once: each `write(file)` goes to its temp name and is fsynced
+    before any is renamed into place, so a write the OS refuses (a full disk, `ulimit -f`) replaces none."""
+    tmps = {path: path.with_name(f".{path.name}.tmp{os.getpid()}") for path in writes}
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        for path, write in writes.items():
+            with open(tmps[path], "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+        for folder in {path.parent for path in writes}:
+            fsync_dir(folder)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
         raise
+
+
+def write_output(path: str | Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write a file a user named (--plan-json, fastpt.plot --out, bench's --json): a regular file, or
+    none yet, is replaced atomically (write_atomic; through a symlink, its target, so the link stays);
+    anything else is written in place, never renamed over: this process's stdout or stderr
+    (/dev/stdout, /proc/self/fd/2: through its own descriptor, so `>> log` appends) as they are, a
+    device or a FIFO (/dev/null) opened and written as a shell's `>` would. A folder: IsADirectoryError."""
+    try:
+        found = os.stat(path)  # through symlinks
+    except FileNotFoundError:  # nothing there, or a link to nothing: made, at the link's target
+        found = None
+    if found is None or (stat.S_ISREG(found.st_mode) and not _stream(found)):
+        write_atomic(real(Path(path)), write)
+    elif stat.S_ISDIR(found.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    elif fd := _stream(found):
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # what this process printed before comes first
+        with os.fdopen(os.dup(fd), "wb") as f:
+            write(f)
+    else:
+        with open(path, "wb") as f:
+            write(f)
+
+
+def _stream(found: os.stat_result) -> int:
+    """1 or 2 when `found` is the file this process's stdout or stderr writes to; else 0."""
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):  # a closed descriptor
+            if os.path.samestat(found, os.fstat(fd)):
+                return fd
+    return 0
 
 
 def clear_temporaries(path: Path) -> None:
@@ -86,6 +130,11 @@ def exchange(a: Path, b: Path) -> bool:
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # not here: rename twice instead
         return False
     raise OSError(code, os.strerror(code), str(b))
+
+
+def real(out: Path) -> Path:
+    """The folder an output path names, through symlinks: what publish replaces, never the link."""
+    return Path(os.path.realpath(out))
 
 
 def aside(out: Path) -> Path:
@@ -136,9 +185,9 @@ def check_out(out: Path, ours: Iterable[str], marker: str, command: str, overwri
     """Refuse an --out that would cost a user anything: a file, a folder holding files that `command`
     does not write (named), and an earlier output of `command` (its `marker` file) without --overwrite.
     An earlier output that a killed publish left aside is put back first, and checked as `out`."""
-    recover(out)
+    recover(real(out))
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; --out takes a folder")
+        raise ConfigError(f"--out {out} is not a folder; --out takes a folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
     foreign = foreign_files(out, ours)
@@ -265,8 +314,10 @@ def staged(out: Path, command: str) -> Iterator[Path]:
     """A locked temporary folder beside `out` for `command` to write its output into, published as
     `out` when the body completes and deleted when it fails or is interrupted. What a killed writer
     left there is cleared first. A write the OS refuses (a full disk, a read-only folder, a file-size
-    limit) is one DiskError naming the file and the OS's reason: nothing is published."""
-    tmp = out.with_name(f".{out.name}.{command.removeprefix('fastpt.')}-tmp")
+    limit) is one DiskError naming the file and the OS's reason: nothing is published. An `out` that
+    is a symlink stays one: the folder it points to is the one replaced."""
+    target = real(out)
+    tmp = target.with_name(f".{target.name}.{command.removeprefix('fastpt.')}-tmp")
     fd = lock_folder(tmp, out, command)
     try:
         with file_size_limit_as_error():
@@ -274,7 +325,7 @@ def staged(out: Path, command: str) -> Iterator[Path]:
                 for stale in tmp.iterdir():
                     remove(stale)
                 yield tmp
-                publish(tmp, out)
+                publish(tmp, target)
             except OSError as e:
                 if isinstance(e, BrokenPipeError):  # the reader of our output is gone: not a write of ours
                     raise

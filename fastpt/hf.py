@@ -20,7 +20,7 @@ import torch
 
 from fastpt.data.tokenizer import EOT
 from fastpt.errors import CheckpointError, ConfigError, require
-from fastpt.files import write_error
+from fastpt.files import write_error, write_output
 from fastpt.model import Transformer
 from fastpt.presets import ModelConfig
 
@@ -347,10 +347,12 @@ def save_weights(tensors: dict[str, torch.Tensor], out: Path, max_shard_size: in
 
 
 def write_json(path: str | Path, value: dict) -> None:
-    """value as indented JSON in path (its folder made if need be): the exports' files, bench's results."""
+    """value as indented JSON in path (its folder made if need be): the exports' files, bench's results
+    (a user-named --json: files.write_output)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value, indent=2) + "\n")
+    text = json.dumps(value, indent=2) + "\n"
+    write_output(path, lambda f: f.write(text.encode()))
 
 
 def byte_chars() -> list[str]:

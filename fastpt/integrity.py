@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from fastpt.errors import CheckpointError
+from fastpt.errors import DamagedCheckpoint
 from fastpt.files import write_atomic
 
 TAG = b"fastpt crc32 "
@@ -104,18 +104,18 @@ def stored_crc(path: Path) -> int | None:
     if not ours and END_SIGNATURE not in tail and TAG not in tail:
         return None  # no zip's end: torch.load says what the file is
     if not (ours and digits.startswith(TAG) and re.fullmatch(rb"[0-9a-f]{8}", digits[len(TAG) :])):
-        raise CheckpointError(f"could not read checkpoint {path}: its checksum (zip comment) is damaged or cut short")
+        raise DamagedCheckpoint(f"could not read checkpoint {path}: its checksum (zip comment) is damaged or cut short")
     return int(digits[len(TAG) :], 16)
 
 
 def verify_file(path: Path) -> bool:
     """Check a checkpoint file against the CRC it carries: True when it matches, False when it carries
-    none; CheckpointError when its bytes differ (damaged on disk or in transfer)."""
+    none; DamagedCheckpoint when its bytes differ (damaged on disk or in transfer)."""
     expected = stored_crc(path)
     if expected is None:
         return False
     if (actual := crc_of(path, path.stat().st_size - TRAILER)) != expected:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"could not read checkpoint {path}: its bytes do not match its checksum "
             f"(crc32 {actual:08x}, written as {expected:08x}): damaged on disk or in transfer"
         )
@@ -139,41 +139,47 @@ def read_manifest(folder: Path) -> dict[str, tuple[int, int]]:
     for number, line in enumerate(text.splitlines(keepends=True), 1):
         match = re.fullmatch(r"([0-9a-f]{8}) (\d+) ([^/\s]+)\n", line)
         if not match or match.group(3) in entries:
-            raise CheckpointError(f"could not read checkpoint {folder}: {MANIFEST} is damaged (line {number})")
+            raise DamagedCheckpoint(f"could not read checkpoint {folder}: {MANIFEST} is damaged (line {number})")
         entries[match.group(3)] = int(match.group(1), 16), int(match.group(2))
     return entries
 
 
 def verify_folder(folder: Path, state_file: str) -> bool:
     """Check every file of a DCP checkpoint folder against its MANIFEST: True when all match, False
-    for a folder written before checksums (no MANIFEST, and a `state_file` without one); CheckpointError
+    for a folder written before checksums (no MANIFEST, and a `state_file` without one); DamagedCheckpoint
     naming the first file that is missing, unlisted, of another size or of other bytes."""
     if not (folder / MANIFEST).is_file():
         if (folder / state_file).is_file() and stored_crc(folder / state_file) is not None:
-            raise CheckpointError(f"could not read checkpoint {folder}: its {MANIFEST} is missing")
+            raise DamagedCheckpoint(f"could not read checkpoint {folder}: its {MANIFEST} is missing")
         return False
     entries = read_manifest(folder)
     present = {p.name for p in folder.iterdir() if p.name != MANIFEST}
     for name in sorted(present ^ entries.keys()):
         why = "is not listed in" if name in present else "is missing; it is listed in"
-        raise CheckpointError(f"could not read checkpoint {folder}: {name} {why} {MANIFEST}")
+        raise DamagedCheckpoint(f"could not read checkpoint {folder}: {name} {why} {MANIFEST}")
     for name, (expected, size) in sorted(entries.items()):
         file = folder / name
         if (actual_size := file.stat().st_size) != size:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"could not read checkpoint {file}: it has {actual_size:,} bytes, {MANIFEST} says {size:,}"
             )
         if (actual := crc_of(file, size)) != expected:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"could not read checkpoint {file}: its bytes do not match {MANIFEST} "
                 f"(crc32 {actual:08x}, written as {expected:08x}): damaged on disk or in transfer"
             )
     return True
 
 
+def carries_checksums(path: Path) -> bool:
+    """Whether a checkpoint (a file or a DCP folder) was written with checksums; once `verify` passed
+    it, its bytes are then exactly as fastpt wrote them."""
+    return (path / MANIFEST).is_file() if path.is_dir() else stored_crc(path) is not None
+
+
 def warn_if_unverified(path: Path) -> None:
     """One warning for a checkpoint that `verify` passed without checking it (written before checksums)."""
-    if (path / MANIFEST).is_file() if path.is_dir() else stored_crc(path) is not None:
+    if carries_checksums(path):
         return
     print(
         f"fastpt: warning: {path} carries no checksum (written before fastpt wrote them): loaded without "
@@ -186,8 +192,6 @@ def warn_if_unverified(path: Path) -> None:
 def verify(path: Path, state_file: str) -> bool:
     """Check a checkpoint (a file, or a DCP folder whose other state is `state_file`) against its
     checksums before anything reads it: True when verified, False for one written without checksums;
-    CheckpointError for damaged bytes."""
-    try:
-        return verify_folder(path, state_file) if path.is_dir() else verify_file(path)
-    except OSError as e:
-        raise CheckpointError(f"could not read checkpoint {path}: {e.strerror or e}") from None
+    DamagedCheckpoint for damaged bytes; the OSError when the OS would not let us read it (a
+    permission, an I/O error), which proves nothing about its bytes."""
+    return verify_folder(path, state_file) if path.is_dir() else verify_file(path)

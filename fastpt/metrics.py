@@ -20,9 +20,10 @@ import torch
 
 from fastpt.config import FIELDS, TrainConfig, to_toml
 from fastpt.data.dataset import Data, describe_data
-from fastpt.data.tokenizer import copy_for_run
+from fastpt.data.tokenizer import run_tokenizer
 from fastpt.errors import ConfigError, require
-from fastpt.files import clear_temporaries, owned_folder, write_atomic
+from fastpt.files import clear_temporaries, owned_folder, write_atomic_all
+from fastpt.model import unet_wiring
 from fastpt.presets import ModelConfig
 from fastpt.step import micro_batches
 
@@ -187,19 +188,16 @@ class Dashboard:
         )
 
 
-def rewind(path: Path, step: int) -> None:
-    """Drop records after `step`, atomically: a killed run logged steps that the resumed run is
-    about to redo, and a kill during this rewrite must not cost the earlier history (nor leave its
-    copy behind for good: the next rewind deletes it; the run folder's lock makes it ours)."""
-    clear_temporaries(path)
-    if not path.is_file():
-        return
+def rewound(path: Path, step: int) -> bytes:
+    """metrics.jsonl without the records after `step`: a killed run logged steps that the resumed run
+    is about to redo (write_run_folder replaces the file with this atomically, so a kill during the
+    rewrite costs no earlier history)."""
     kept = []
     for line in path.read_text(errors="replace").splitlines():
         with contextlib.suppress(ValueError, AttributeError):  # a line cut short by a kill is dropped
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line + "\n")
-    write_atomic(path, lambda f: f.write("".join(kept).encode()))
+    return "".join(kept).encode()
 
 
 class MetricsLogger:
@@ -275,15 +273,22 @@ def own_run_folder(cfg: TrainConfig, cleanup: ExitStack) -> None:
 
 
 def write_run_folder(cfg: TrainConfig, data_dir: Path, step: int) -> MetricsLogger:
-    """The data's tokenizer (the run folder alone is enough for fastpt.sample), metrics.jsonl
-    rewound to `step`, then config.toml, which a resume starts from: written last and atomically, so
-    a run refused here (a read-only folder, a file-size limit) leaves the old one whole."""
+    """The data's tokenizer (the run folder alone is enough for fastpt.sample), metrics.jsonl rewound
+    to `step`, and config.toml, which a resume starts from. All or none: each is written whole under a
+    temporary name before any replaces its file (files.write_atomic_all), so a run refused here (a
+    read-only folder, a full disk, a file-size limit) changes nothing in the folder. What a killed
+    write left behind is deleted first (this trainer owns the folder)."""
     run_dir = Path(cfg.out)
+    metrics = run_dir / "metrics.jsonl"
     try:
-        copy_for_run(data_dir, run_dir)
-        rewind(run_dir / "metrics.jsonl", step)
-        clear_temporaries(run_dir / "config.toml")  # a killed write's; this trainer owns the folder
-        write_atomic(run_dir / "config.toml", lambda f: f.write(to_toml(cfg).encode()))
+        contents = {run_dir / "tokenizer.json": run_tokenizer(data_dir)}
+        contents[metrics] = rewound(metrics, step) if metrics.is_file() else None
+        contents[run_dir / "config.toml"] = to_toml(cfg).encode()
+        for path in contents:
+            clear_temporaries(path)
+        write_atomic_all(
+            {path: lambda f, data=data: f.write(data) for path, data in contents.items() if data is not None}
+        )
     except OSError as e:
         raise unwritable(cfg, e) from None
     return MetricsLogger(run_dir, dataclasses.asdict(cfg), cfg.tensorboard, cfg.wandb)
@@ -316,19 +321,26 @@ def run_tokens(cfg: TrainConfig, dash: Dashboard) -> int:
     return micro_batches(cfg, cfg.max_steps) * dash.tokens_per_step // cfg.grad_accum
 
 
-def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard) -> list[str]:
-    """The lines a run starts with: where it writes and what it trains, on what data, and the
-    recipe's choices that differ from the seed's."""
+def summary(cfg: TrainConfig, data: Data, params: int, dash: Dashboard, kernels: str) -> list[str]:
+    """The lines a run starts with: where it writes and what it trains (`kernels`: the kernels in
+    effect, selfcheck.Backend), on what data, and the recipe's choices that differ from the seed's."""
     peak, seq_len, device = dash.peak_flops, data.train.seq_len, dash.device
     return [
         f"run {cfg.out} | device {device_name(device)} x {dash.world_size} | "
         + (f"init from {cfg.init_from}" if cfg.init_from else f"preset {cfg.preset}")
         + f" | params {params:,} | dtype {cfg.dtype} | compile {cfg.compile}{speed_choices(cfg)} | "
-        f"kernels {cfg.kernels} | threads {cfg.threads} | MFU "
+        f"kernels {kernels} | threads {cfg.threads} | MFU "
         + (f"vs {peak / 1e12:.0f} TFLOP/s peak" if peak else f"n/a (no peak-FLOPs entry for {device_name(device)})"),
         f"data {describe_data(data.sources, data.train, data.val)} | packing {cfg.packing} | "
         f"{dash.tokens_per_step:,} tokens/step ({cfg.micro_batch} x {seq_len} x {cfg.grad_accum} accum x "
         f"{dash.world_size} ranks) | {cfg.max_steps:,} steps = {run_tokens(cfg, dash):,} tokens"
-        + (f" (a batch warm-up over the first {cfg.batch_warmup_steps:,})" if cfg.batch_warmup_steps else ""),
-        f"recipe {cfg.recipe} | vs the seed's: " + (", ".join(recipe_choices(cfg, data.model_config)) or "none"),
+        + (
+            f" (a batch warm-up from {cfg.batch_warmup_start} to {cfg.micro_batch * cfg.grad_accum} sequences "
+            f"per rank over the first {cfg.batch_warmup_steps:,})"
+            if cfg.batch_warmup_steps
+            else ""
+        ),
+        f"recipe {cfg.recipe} | vs the seed's: "
+        + (", ".join(recipe_choices(cfg, data.model_config)) or "none")
+        + (f" | {unet_wiring(data.model_config.n_layers)}" if data.model_config.unet_skips else ""),
     ]

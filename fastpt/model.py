@@ -12,8 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from fastpt import kernels
 from fastpt.attention import attend, document_mask
+from fastpt.kernels import api as kernels
+from fastpt.kernels import reference
 from fastpt.presets import ModelConfig
 
 INIT_STD = 0.02  # GPT-2's: every weight matrix, the token embedding included
@@ -122,13 +123,13 @@ class FeedForward(nn.Module):
 
 
 class ReluSquaredFeedForward(nn.Module):
-    """relu(x W1)^2 W2 (Primer, So et al. 2021; modded-nanogpt, nanochat): two matrices, so 3/2 of
-    ffn_dim wide has SwiGLU's parameters (cfg.mlp_hidden)."""
+    """relu(x W1)^2 W2 (Primer, So et al. 2021; modded-nanogpt, nanochat), ffn_dim wide: two matrices,
+    so a preset's relu2 is 3/2 of its SwiGLU width, at SwiGLU's parameters (presets.model_config)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.mlp_hidden, bias=False)  # up
-        self.w2 = nn.Linear(cfg.mlp_hidden, cfg.dim, bias=False)  # down
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.relu(self.w1(x)).square())
@@ -138,25 +139,9 @@ MLPS = {"swiglu": FeedForward, "relu2": ReluSquaredFeedForward}
 
 
 def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(logits / cap) in fp32 (Gemma 2's final_logit_softcapping); the logits as they are for cap 0."""
-    return cap * torch.tanh(logits.float() / cap) if cap else logits
-
-
-def capped_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, cap: float, z_loss: float, reduction: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss and its z-loss part as kernels.linear_cross_entropy returns them, of the soft-capped
-    logits: the fused kernel cannot cap, so these logits are materialized. h (N, C), labels (N,)."""
-    logits = soft_cap(F.linear(h, weight), cap)  # (N, V) fp32
-    counted = labels != -100
-    lse = torch.logsumexp(logits, dim=-1)  # (N,)
-    picked = logits.gather(-1, labels.clamp(min=0)[:, None])[:, 0]  # (N,)
-    ce = torch.where(counted, lse - picked, 0.0)
-    z = torch.where(counted, z_loss * lse.square(), 0.0)
-    if reduction == "none":
-        return ce + z, z.detach()
-    n = counted.sum().clamp(min=1)
-    return (ce + z).sum() / n, z.detach().sum() / n
+    """cap * tanh(logits / cap) in fp32 (Gemma 2's final_logit_softcapping); the logits as they are
+    for cap 0. The loss caps inside kernels.linear_cross_entropy instead (softcap=)."""
+    return reference.soft_cap(logits.float(), cap) if cap else logits
 
 
 class TransformerBlock(nn.Module):
@@ -190,6 +175,21 @@ CHECKPOINTED_BLOCKS = {
 }
 
 
+def unet_wiring(n_layers: int) -> str:
+    """What --unet-skips wires in Transformer.forward, as the run's summary says it: block i's input
+    (i < L // 2, the first half's) x a learned scalar starting at 1, added to block L-1-i's output."""
+    pairs = [f"{i}->{n_layers - 1 - i}" for i in range(n_layers // 2)]
+    if len(pairs) > 4:
+        pairs = [*pairs[:2], "...", pairs[-1]]
+    middle = f"; block {n_layers // 2} unpaired" if n_layers % 2 else ""
+    if not pairs:
+        return "U-net skips: none (one block has no pair, and no skip weight)"
+    return (
+        f"U-net skips: block i's input x a learned scalar (from 1) added to block {n_layers - 1}-i's output, "
+        f"i < {n_layers // 2}: {', '.join(pairs)}{middle}"
+    )
+
+
 class Transformer(nn.Module):
     """The model of a ModelConfig. Three training choices that checkpoints do not record: `backend`
     (auto | triton | torch) picks how its RMSNorms and loss run; `z_loss` adds PaLM's
@@ -217,8 +217,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg, backend, checkpointed(i)) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        # U-net: one scalar per skip from block i's input to block L-1-i's output, starting at 1 (the 1-D init)
-        self.skip_weights = nn.Parameter(torch.ones(cfg.n_layers // 2)) if cfg.unet_skips else None
+        # U-net: one scalar per skip from block i's input to block L-1-i's output, starting at 1 (the 1-D init).
+        # One block has no pair: no parameter, rather than an empty one that never gets a gradient (so no
+        # optimizer state, which a resume then misses).
+        skips = cfg.n_layers // 2 if cfg.unet_skips else 0
+        self.skip_weights = nn.Parameter(torch.ones(skips)) if skips else None
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -252,7 +255,8 @@ class Transformer(nn.Module):
     ) -> LogitsOutput | LossOutput:
         """idx (B, T) -> LogitsOutput (logits (B, T, V), and the extended cache when given kv_cache);
         with labels (B, T), LossOutput (the loss and its z-loss part) instead: their mean over the
-        counted targets, or with reduction="none" each target's, flattened (B*T,) (what evals sum)."""
+        counted targets, their sum with reduction="sum", or with reduction="none" each target's,
+        flattened (B*T,) (what evals sum); of the soft-capped logits where the config caps them."""
         B, T = idx.shape
         past = kv_cache[0][0].shape[2] if kv_cache else 0
         if past + T > self.cfg.max_seq_len:
@@ -274,15 +278,8 @@ class Transformer(nn.Module):
             if i >= len(self.layers) - n_skips:  # block L-1-j takes block j's input, the last first
                 h = h + self.skip_weights[len(self.layers) - 1 - i] * skips.pop()
         h = self.norm(h)  # (B, T, C)
-        if labels is not None and self.cfg.logit_softcap:
-            flat_labels = labels.flatten()
-            cap = self.cfg.logit_softcap
-            loss, z_loss = capped_cross_entropy(
-                h.flatten(0, 1), self.output_weight, flat_labels, cap, self.z_loss, reduction
-            )
-            return LossOutput(None, loss, z_loss)
         if labels is not None:
-            # The fused kernel never materializes the (B*T, V) logits.
+            # The fused kernel never materializes the (B*T, V) logits, soft-capped or not.
             loss = kernels.linear_cross_entropy(
                 h.flatten(0, 1),
                 self.output_weight,
@@ -290,6 +287,7 @@ class Transformer(nn.Module):
                 reduction=reduction,
                 z_loss=self.z_loss,
                 return_z_loss=self.z_loss > 0,
+                softcap=self.cfg.logit_softcap,
                 backend=self.backend,
             )
             loss, z_loss = loss if self.z_loss else (loss, loss.detach().new_zeros(()))
@@ -300,7 +298,3 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         """Parameters, the tied embedding/head counted once."""
         return sum(p.numel() for p in self.parameters())
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the matmuls plus 12*L*d*T for attention scores."""
-        return 6 * self.num_params() + 12 * self.cfg.n_layers * self.cfg.dim * seq_len

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpt.errors import ArgumentParser, DataError, DiskError, require, run_command
-from fastpt.files import os_reason, write_atomic
+from fastpt.files import os_reason, write_output
 
 NUMBER = (int, float)
 TRAIN_FIELDS, VAL_FIELDS = ("loss", "tokens", "lr", "tok_s"), ("val_loss",)
@@ -99,7 +99,9 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.suptitle(str(run_dir))
     out = Path(out) if out else run_dir / "loss.png"
     try:
-        write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=120))
+        write_output(out, lambda f: fig.savefig(f, format="png", dpi=120))
+    except BrokenPipeError:  # `--out /dev/stdout | head`: the reader has what it wanted (run_command)
+        raise
     except OSError as e:
         raise DiskError(f"cannot write {out}: {os_reason(e)} (choose another file with --out)") from None
     finally:

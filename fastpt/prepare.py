@@ -363,6 +363,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     inputs = args.inputs or ([] if args.hf_dataset else stdlib_sources())
+    if not (args.inputs or args.hf_dataset):  # a newcomer may not know what an input-less command reads
+        root = sysconfig.get_paths()["stdlib"]
+        print(
+            f"no inputs given: the corpus is the Python standard library's source ({len(inputs):,} .py files in {root})"
+        )
     meta = prepare(
         inputs,
         args.out,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from fastpt.errors import ConfigError
+from fastpt.settings import SOFTCAP
 
 MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
 MAX_SEQ_LEN = 2**20
@@ -25,14 +26,13 @@ class ModelConfig:
     n_layers: int = 8
     n_heads: int = 8
     n_kv_heads: int = 0  # 0 = same as n_heads (no GQA)
-    ffn_dim: int = 1408
+    ffn_dim: int = 1408  # the MLP's hidden width, SwiGLU's or relu2's
     max_seq_len: int = 1024
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_embeddings: bool = True  # the LM head shares the token embedding's weight
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3's q_norm / k_norm)
-    # relu2: relu(x W1)^2 W2 (modded-nanogpt, nanochat), 3/2 of ffn_dim wide: SwiGLU's parameters at ffn_dim
-    mlp: str = "swiglu"
+    mlp: str = "swiglu"  # or relu2: relu(x W1)^2 W2 (modded-nanogpt, nanochat), two matrices to SwiGLU's three
     logit_softcap: float = 0.0  # > 0: the LM head's logits are cap * tanh(logits / cap) (Gemma 2, nanochat)
     unet_skips: bool = False  # block i's input joins block L-1-i's output, by a learned scalar (modded-nanogpt)
     # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
@@ -48,29 +48,45 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    @property
-    def mlp_hidden(self) -> int:
-        """The MLP's hidden width: ffn_dim for SwiGLU's three matrices, 3/2 of it for relu2's two."""
-        return self.ffn_dim if self.mlp == "swiglu" else 3 * self.ffn_dim // 2
-
     def num_params(self) -> int:
         """Parameters of the model this config builds (the tied head counted once)."""
         d, hd = self.dim, self.head_dim
         attention = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2  # wq, wo; wk, wv
-        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.mlp_hidden
+        mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
         block = attention + mlp + 2 * d + (2 * hd if self.qk_norm else 0)  # + norms
         head = 0 if self.tie_embeddings else self.vocab_size * d
         skips = self.n_layers // 2 if self.unet_skips else 0
         return self.vocab_size * d + self.n_layers * block + d + head + skips
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """MFU's numerator, the model's training FLOPs (forward and backward) per token whatever kernels
+        run: 6 x its parameters less a lookup-only (untied) input embedding, a gather with no matmul
+        (a tied one is the head's matrix, counted once), plus causal attention's scores and their
+        use, 6 x layers x dim x seq_len (half of PaLM's non-causal 12 L d T: a causal kernel skips the
+        masked half). The dashboard, --plan and `python -m bench` all call this."""
+        lookup = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return 6 * (self.num_params() - lookup) + 6 * self.n_layers * self.dim * seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as checkpoints store it: its fields and the format they are in (CONFIG_FORMAT)."""
+        return {**dataclasses.asdict(self), "format": CONFIG_FORMAT}
+
     @classmethod
     def from_dict(cls, saved: dict) -> ModelConfig:
-        """A config as checkpoints store it (a field it lacks takes its default); a field this
-        fastpt does not know is one line, not a guess at what the model was."""
+        """A config as checkpoints store it (a field it lacks takes its default), an older format's
+        in this one's terms (CONFIG_FORMAT); a field or format this fastpt does not know is one
+        line, not a guess at what the model was."""
+        saved = dict(saved)
+        version = saved.pop("format", 1)
+        if version not in (1, CONFIG_FORMAT):
+            raise ConfigError(f"the checkpoint's model config is in format {version!r}; this fastpt reads 1 and 2")
         if unknown := sorted(set(saved) - set(MODEL_FIELDS)):
             known = ", ".join(unknown)
             raise ConfigError(f"the checkpoint's model config has fields this fastpt does not know: {known}")
-        return cls(**saved)
+        cfg = cls(**saved)
+        if version == 1 and cfg.mlp == "relu2":
+            cfg.ffn_dim = 3 * cfg.ffn_dim // 2  # format 1's relu2 was 3/2 of ffn_dim wide
+        return cfg
 
     def check(self) -> ModelConfig:
         """One line naming the field for a shape the model cannot have."""
@@ -96,8 +112,8 @@ class ModelConfig:
             raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
         if self.mlp not in MLPS:
             raise ConfigError(f"'mlp' = {self.mlp!r} is not one of {', '.join(map(repr, MLPS))}")
-        if not (0 <= self.logit_softcap < math.inf):
-            raise ConfigError(f"'logit_softcap' must be a finite number >= 0 (0 = off), got {self.logit_softcap}")
+        if self.logit_softcap not in SOFTCAP:
+            raise ConfigError(f"'logit_softcap' must be {SOFTCAP}, got {self.logit_softcap}")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"'attention' = {self.attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
         if self.attention == "document" and not (
@@ -115,6 +131,9 @@ class ModelConfig:
         return self
 
 
+# The model config's format in checkpoints. 1 (unmarked, until issue 54): ffn_dim was SwiGLU's width
+# and relu2's MLP 3/2 of it wide; 2: ffn_dim is the hidden width of either MLP.
+CONFIG_FORMAT = 2
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
 SHAPE_FIELDS = tuple(k for k in MODEL_FIELDS if k not in ("attention", "doc_token"))  # the TrainConfig shape keys
 PRESETS: dict[str, ModelConfig] = {
@@ -197,6 +216,8 @@ def model_config(
                 f"{cfg.init_from} ({base.vocab_size}): prepare the data with its tokenizer"
             )
     m = dataclasses.replace(base or PRESETS[cfg.preset], **overrides)
+    if m.mlp == "relu2" and "ffn_dim" not in overrides and base is None:
+        m.ffn_dim = 3 * m.ffn_dim // 2  # the preset's SwiGLU width: relu2's two matrices at its parameters
     if "vocab_size" in overrides and 0 < m.vocab_size < data_vocab:
         raise ConfigError(f"'vocab_size' = {m.vocab_size} is smaller than the data's vocab ({data_vocab})")
     m.vocab_size = max(m.vocab_size, data_vocab)

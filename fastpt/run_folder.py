@@ -1,12 +1,13 @@
 """What fastpt.train checks about --out before any work: every refusal that depends only on the
-flags and the folders (another trainer on it, a folder of runs, an occupied folder,
---resume-require with nothing to resume) comes before the data is prepared, the batch planned or
+flags and the folders (another trainer on it, a folder of runs, an occupied folder, a --resume
+of a misspelt run, --resume-require with nothing to resume) comes before the data is prepared, the batch planned or
 the model traced, and --resume says what it will do. The lock on the folder
 (metrics.own_run_folder) is taken later, by the main rank only."""
 
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,15 @@ def nearest_run(run_dir: Path) -> str:
     return str(run_dir.parent / close[0]) if close else ""
 
 
+def typo_of(run_dir: Path) -> str:
+    """The run `run_dir` misspells: a missing folder's nearest run, unless the two names differ only
+    in their digits (seed2 beside seed1, or run2 beside run: the next run of a sweep, which --resume
+    may start), or ''."""
+    near = "" if run_dir.exists() else nearest_run(run_dir)
+    letters = lambda name: re.sub(r"\d", "", name)
+    return near if near and letters(Path(near).name) != letters(run_dir.name) else ""
+
+
 def nothing_to_resume(run_dir: Path) -> str:
     """Why --resume finds nothing in `run_dir`."""
     if run_dir.exists():
@@ -72,6 +82,11 @@ def _check_out(cfg: TrainConfig, run_dir: Path) -> str:
             return ""
         if cfg.resume_require:
             raise ConfigError(f"--resume-require: nothing to resume, {nothing_to_resume(run_dir)}")
+        if typo_of(run_dir):  # training into the typo would start a second run beside the one meant
+            raise ConfigError(
+                f"--resume: nothing to resume, {nothing_to_resume(run_dir)}: "
+                "give that run's folder, or drop --resume to start a new run here"
+            )
         return f"--resume: nothing to resume, {nothing_to_resume(run_dir)}; starting the run from step 0"
     if found:  # a fresh run would mix its checkpoints with the old ones
         raise ConfigError(

@@ -13,10 +13,11 @@ from pathlib import Path
 import torch
 
 from fastpt import checkpoint, hf
+from fastpt.data.shards import MAX_VOCAB
 from fastpt.data.tokenizer import load_tokenizer, pick_tokenizer_path
 from fastpt.errors import ArgumentParser, ConfigError, DataError, run_command
 from fastpt.model import Transformer
-from fastpt.settings import NON_NEGATIVE, POSITIVE, SEED
+from fastpt.settings import COUNT, SEED, Interval
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int) -> int:
@@ -91,7 +92,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-samples", type=int, default=1, help="samples to draw (default: %(default)r)")
     ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: %(default)r)")
     ap.add_argument(
-        "--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default: %(default)r)"
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="softmax temperature, in [0.01, 100]; 0 = greedy (default: %(default)r)",
     )
     ap.add_argument(
         "--top-k", type=int, default=200, help="sample among the k most likely tokens; 0 = all (default: %(default)r)"
@@ -111,10 +115,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1337, help="random seed for sampling (default: %(default)r)")
     args = ap.parse_args(argv)
     limits = {
-        "num_samples": POSITIVE,
-        "max_new_tokens": POSITIVE,
-        "temperature": NON_NEGATIVE,
-        "top_k": NON_NEGATIVE,
+        "num_samples": COUNT,
+        "max_new_tokens": COUNT,
+        # logits / 1e-300 overflow fp32 into a traceback; below 0.01 a draw is greedy, past 100 uniform
+        "temperature": Interval(0.01, 100, or_off=True),
+        "top_k": Interval(0, MAX_VOCAB),
         "seed": SEED,
     }
     for name, domain in limits.items():

@@ -39,17 +39,41 @@ class StepResult:
 
 
 def accum_at(cfg: TrainConfig, step: int) -> int:
-    """Micro-batches in the step after `step` steps: grad_accum, or during --batch-warmup-steps a
-    linear ramp from 1. The micro-batch's shape never changes: a compiled model does not recompile."""
+    """Micro-batches in the step after `step` steps: grad_accum, or during --batch-warmup-steps N the
+    whole micro-batches within a linear ramp of sequences, from batch_warmup_start at step 0 up to
+    the full batch (config.check_batch_warmup: start >= one micro-batch). The micro-batch's shape
+    never changes: a compiled model does not recompile."""
     if step >= cfg.batch_warmup_steps:
         return cfg.grad_accum
-    return 1 + (cfg.grad_accum - 1) * step // cfg.batch_warmup_steps
+    start, full = cfg.batch_warmup_start, cfg.micro_batch * cfg.grad_accum
+    return (start + (full - start) * step // cfg.batch_warmup_steps) // cfg.micro_batch
 
 
 def micro_batches(cfg: TrainConfig, steps: int) -> int:
-    """Micro-batches the first `steps` steps train, the batch warm-up's ramp counted (per rank)."""
-    ramp = min(steps, cfg.batch_warmup_steps)
-    return sum(accum_at(cfg, s) for s in range(ramp)) + cfg.grad_accum * (steps - ramp)
+    """Micro-batches the first `steps` steps train, the batch warm-up's ramp counted (per rank): the
+    ramp's sum in closed form, so a plan or a summary of a billion steps costs no loop."""
+    ramp, n = min(steps, cfg.batch_warmup_steps), cfg.batch_warmup_steps
+    start, full = cfg.batch_warmup_start, cfg.micro_batch * cfg.grad_accum
+    # accum_at(s) = (start * n + (full - start) * s) // (n * micro_batch), summed over s < ramp
+    ramped = floor_sum(ramp, n * cfg.micro_batch, full - start, start * n) if ramp else 0
+    return ramped + cfg.grad_accum * (steps - ramp)
+
+
+def floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """sum((a * i + b) // m for i in range(n)) for n, m >= 1 and a, b >= 0, in O(log m) steps (the
+    AtCoder Library's floor_sum: Euclid's algorithm on the lattice points under the line)."""
+    total = 0
+    while True:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        top = a * n + b
+        if top < m:
+            return total
+        n, b, m, a = top // m, top % m, a, m
 
 
 def train_step(

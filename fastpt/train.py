@@ -29,9 +29,10 @@ from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_folder
 from fastpt.optim import apply_schedule
 from fastpt.plan import fit
+from fastpt.plan.planner import planned_model
 from fastpt.profiling import StepProbe
 from fastpt.run_folder import check_out
-from fastpt.selfcheck import kernel_backend
+from fastpt.selfcheck import Backend, kernel_backend
 from fastpt.step import Net, TrainState, accum_at, build_model, train_step
 
 
@@ -69,10 +70,12 @@ def preempted_exit(signum: int, step: int, saved: bool, log) -> int:
     return 128 + signum
 
 
-def introduce(cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, step: int, chosen: str, log) -> None:
-    """What the run is (the summary, what --micro-batch auto chose), a packing warning, and that a
-    resumed run already at max_steps has nothing to do."""
-    for line in summary(cfg, data, net.raw.num_params(), dash) + ([chosen] if chosen else []):
+def introduce(
+    cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, step: int, chosen: str, backend: Backend, log
+) -> None:
+    """What the run is (the summary with the kernels in effect, what --micro-batch auto chose), a
+    packing warning, and that a resumed run already at max_steps has nothing to do."""
+    for line in summary(cfg, data, net.raw.num_params(), dash, str(backend)) + ([chosen] if chosen else []):
         log(line)
     seq_len = data.train.seq_len
     if warning := packing_warning(data.train, dash.tokens_per_step // seq_len, cfg.max_steps):
@@ -84,10 +87,17 @@ def introduce(cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, step: int
 # ---- the loop
 
 
-def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen: str = "", fresh_note: str = "") -> int:
-    """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop; `chosen`, what
-    --micro-batch auto chose, joins the summary; `fresh_note`, why a --resume starts afresh); returns
-    the process exit code."""
+def train(
+    cfg: TrainConfig,
+    d: distributed.Dist,
+    preemption: Preemption,
+    backend: Backend,
+    chosen: str = "",
+    fresh_note: str = "",
+) -> int:
+    """Run the training loop (`preemption` tells when SIGTERM / Ctrl-C asked it to stop; `backend`,
+    the kernels the model takes (selfcheck.kernel_backend); `chosen`, what --micro-batch auto chose,
+    joins the summary; `fresh_note`, why a --resume starts afresh); returns the process exit code."""
     device = d.device(cfg.device)
     log = print_or_drop if d.is_main else (lambda *a, **k: None)
     with ExitStack() as cleanup:  # whatever ends the run, everything opened here is closed
@@ -96,16 +106,15 @@ def train(cfg: TrainConfig, d: distributed.Dist, preemption: Preemption, chosen:
         data = build_data(cfg, d, device)
         cleanup.callback(data.loader.close)
         evaluator = Evaluator(data.val, cfg, device, data.sources)  # val loss, bpb, --eval-mc
-        backend = kernel_backend(cfg, data.model_config, device, d, log)  # a kernel that fails is never traced
-        net = build_model(cfg, data.model_config, device, d, data.init_weights, backend)
+        net = build_model(cfg, data.model_config, device, d, data.init_weights, backend.name)
         state = TrainState()
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
         start_or_resume(cfg, ckpt, device, log, fresh_note)
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
         write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
-        dash = Dashboard.for_run(cfg, net.raw.flops_per_token(seq_len), seq_len, device, d.world_size)
-        introduce(cfg, data, net, dash, state.step, chosen, log)
+        dash = Dashboard.for_run(cfg, net.raw.cfg.flops_per_token(seq_len), seq_len, device, d.world_size)
+        introduce(cfg, data, net, dash, state.step, chosen, backend, log)
         probe = cleanup.enter_context(closing(StepProbe(cfg, device, d.rank)))
         pace, exit_code = Pace(), 0
         first_bad_step = torch.full((), -1, device=device)  # first non-finite step, read at log steps only
@@ -163,17 +172,23 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
+    capped = distributed.threads_capped(cfg.threads)
     cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))
     torch.set_num_threads(cfg.threads)
-    cfg, chosen = fit.auto_micro_batch(cfg)  # --micro-batch auto: planned before any process group
-    d = distributed.setup(cfg.device)
-    if d.is_main and (warning := distributed.one_process_warning(cfg.parallel, d)):
-        print_or_drop(warning, file=sys.stderr)
+    d = distributed.connect(cfg.device)  # the rank and its device; the process group comes after the plan
+    # Checked before --micro-batch auto plans, which plans for the kernels in effect (the reference's loss
+    # materializes the logits), and before the model is built or compiled (a kernel that fails is never traced).
+    backend = kernel_backend(cfg, lambda: planned_model(cfg), d.device(cfg.device), d)
+    cfg, chosen = fit.auto_micro_batch(cfg, backend.name)  # planned before any process group: it fakes one
+    distributed.setup(d, cfg.device)
+    for warning in (capped, distributed.one_process_warning(cfg.parallel, d)):
+        if d.is_main and warning:
+            print_or_drop(warning, file=sys.stderr)
     try:
         # The handlers outlive report_lost_ranks: torchrun's SIGTERM to a survivor of a dead rank
         # must not kill it before it has said which rank died.
         with Preemption() as preemption, distributed.report_lost_ranks(d):
-            return train(cfg, d, preemption, chosen, fresh_note)
+            return train(cfg, d, preemption, backend, chosen, fresh_note)
     finally:
         distributed.teardown(d)
 

@@ -1,4 +1,5 @@
-"""The public ops: each picks the Triton kernel or the pure-PyTorch reference per call.
+"""fastpt.kernels' public ops (`from fastpt.kernels import api as kernels`): each picks the Triton kernel or
+the pure-PyTorch reference per call.
 
 Every op takes ``backend``: "auto" runs the Triton kernels on CUDA tensors and the reference on
 CPU tensors, unless TRITON_INTERPRET=1 is set, which runs the kernels on CPU through Triton's
@@ -9,6 +10,7 @@ registered fakes (a memory plan of a GPU run on a machine that cannot run them).
 
 import contextlib
 import importlib.util
+import math
 import os
 
 import torch
@@ -60,10 +62,12 @@ def _use_triton(backend: str, t: torch.Tensor) -> bool:
     return runnable
 
 
-def _check_loss_args(reduction: str, **matrices: torch.Tensor) -> None:
+def _check_loss_args(reduction: str, softcap: float, **matrices: torch.Tensor) -> None:
     """The same refusals on every backend: the reference would broadcast what the kernels reject."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0 <= softcap < math.inf:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap!r}")
     for name, t in matrices.items():
         if t.dim() != 2:
             raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
@@ -84,6 +88,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     return_z_loss: bool = False,
     inplace_backward: bool = False,
+    softcap: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of logits (N, V) against target (N,), as F.cross_entropy; fp32 loss.
@@ -91,21 +96,15 @@ def cross_entropy(
     z_loss adds z_loss * logsumexp(logits)^2 per counted row, reduced like the loss (PaLM's
     stabilizer); return_z_loss=True returns (loss, that term alone, detached). inplace_backward=True
     lets the Triton path's backward overwrite the logits with their gradient (one (N, V) buffer, not
-    two): do not read logits after the backward. The reference ignores it.
+    two): do not read logits after the backward. The reference ignores it. softcap > 0 computes all
+    of it on the logits softcap * tanh(logits / softcap) (Gemma 2's final_logit_softcapping), in fp32.
     """
-    _check_loss_args(reduction, logits=logits)
+    _check_loss_args(reduction, softcap, logits=logits)
+    kwargs = dict(z_loss=z_loss, return_z_loss=return_z_loss, softcap=float(softcap))
     if not _use_triton(backend, logits):
-        return reference.cross_entropy(
-            logits, target, ignore_index, reduction, z_loss=z_loss, return_z_loss=return_z_loss
-        )
+        return reference.cross_entropy(logits, target, ignore_index, reduction, **kwargs)
     return functional.cross_entropy(
-        logits,
-        target,
-        ignore_index,
-        reduction,
-        z_loss=z_loss,
-        return_z_loss=return_z_loss,
-        inplace_backward=inplace_backward,
+        logits, target, ignore_index, reduction, inplace_backward=inplace_backward, **kwargs
     )
 
 
@@ -118,12 +117,21 @@ def linear_cross_entropy(
     *,
     z_loss: float = 0.0,
     return_z_loss: bool = False,
+    softcap: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """cross_entropy(input @ weight.T, target, ...), input (N, D), weight (V, D); fp32 loss, z_loss
-    and return_z_loss as in cross_entropy. The Triton path never materializes the (N, V) logits."""
-    _check_loss_args(reduction, input=input, weight=weight)
+    """cross_entropy(input @ weight.T, target, ...), input (N, D), weight (V, D); fp32 loss, z_loss,
+    return_z_loss and softcap as in cross_entropy. The Triton path never materializes the (N, V)
+    logits, capped or not."""
+    _check_loss_args(reduction, softcap, input=input, weight=weight)
     impl = functional if _use_triton(backend, input) else reference
     return impl.linear_cross_entropy(
-        input, weight, target, ignore_index, reduction, z_loss=z_loss, return_z_loss=return_z_loss
+        input,
+        weight,
+        target,
+        ignore_index,
+        reduction,
+        z_loss=z_loss,
+        return_z_loss=return_z_loss,
+        softcap=float(softcap),
     )

@@ -4,7 +4,7 @@ Every op is a `torch.library.custom_op` with a fake (shape-only) implementation,
 the autograd path register their backward, so torch.compile(fullgraph=True) keeps each in the
 graph as one opaque call; all of them pass torch.library.opcheck. None is twice differentiable:
 a backward run with create_graph=True raises. The Triton modules are imported inside the op
-bodies, so `import fastpt.kernels` does not import triton. TRITON_INTERPRET must be set before triton
+bodies, so `import fastpt.kernels.api` does not import triton. TRITON_INTERPRET must be set before triton
 is first imported: triton.jit reads it when a function is decorated, triton.language's own included.
 """
 
@@ -13,8 +13,8 @@ from torch import Tensor
 
 from .reference import reduce_rows
 
-# The ops' namespace. The folder imports only as fastpt.kernels (kernels/__init__.py), so these
-# are registered once.
+# The ops' namespace. The folder is fastpt.kernels (a top-level `import kernels` never loads it), so
+# these are registered once.
 NAMESPACE = "fastpt"
 
 
@@ -108,53 +108,54 @@ def _rows_fake(rows: Tensor) -> Tensor:
 
 @torch.library.custom_op(f"{NAMESPACE}::cross_entropy", mutates_args=())
 def _cross_entropy(
-    logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, inplace_backward: bool
+    logits: Tensor, target: Tensor, ignore_index: int, z_loss: float, inplace_backward: bool, softcap: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss rows, z-loss rows, log-sum-exp rows); inplace_backward only tells the backward where to write."""
+    """(loss rows, z-loss rows, log-sum-exp rows of the capped logits); inplace_backward only tells
+    the backward where to write."""
     from .ops import cross_entropy as ops
 
-    return ops.cross_entropy_forward(logits, target, ignore_index, z_loss)
+    return ops.cross_entropy_forward(logits, target, ignore_index, z_loss, softcap=softcap)
 
 
 @_cross_entropy.register_fake
-def _(logits, target, ignore_index, z_loss, inplace_backward):
+def _(logits, target, ignore_index, z_loss, inplace_backward, softcap):
     return _rows_fake(logits), _rows_fake(logits), _rows_fake(logits)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::cross_entropy_backward", mutates_args=())
 def _cross_entropy_backward(
-    logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
+    logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float, softcap: float
 ) -> Tensor:
     """d(sum_i grad_rows[i] * loss_i)/dlogits, (N, V) contiguous."""
     from .ops import cross_entropy as ops
 
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, grad)
+    ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, grad, softcap)
     return grad
 
 
 @_cross_entropy_backward.register_fake
-def _(logits, target, lse, grad_rows, ignore_index, z_loss):
+def _(logits, target, lse, grad_rows, ignore_index, z_loss, softcap):
     return logits.new_empty(logits.shape)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::cross_entropy_backward_", mutates_args=("logits",))
 def _cross_entropy_backward_(
-    logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float
+    logits: Tensor, target: Tensor, lse: Tensor, grad_rows: Tensor, ignore_index: int, z_loss: float, softcap: float
 ) -> None:
     """As cross_entropy_backward, the gradient written over the logits."""
     from .ops import cross_entropy as ops
 
-    ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, logits)
+    ops.cross_entropy_backward(logits, target, lse, grad_rows, ignore_index, z_loss, logits, softcap)
 
 
 @_cross_entropy_backward_.register_fake
-def _(logits, target, lse, grad_rows, ignore_index, z_loss):
+def _(logits, target, lse, grad_rows, ignore_index, z_loss, softcap):
     return None
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, target, ctx.ignore_index, ctx.z_loss, ctx.inplace = inputs
+    logits, target, ctx.ignore_index, ctx.z_loss, ctx.inplace, ctx.softcap = inputs
     _, z_rows, lse = output
     ctx.mark_non_differentiable(z_rows, lse)
     ctx.set_materialize_grads(False)
@@ -164,15 +165,15 @@ def _cross_entropy_setup(ctx, inputs, output):
 def _cross_entropy_grad(ctx, grad_rows, _, __):
     _no_double_backward("cross_entropy")
     if grad_rows is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     logits, target, lse = ctx.saved_tensors
-    args = (logits, target, lse, grad_rows, ctx.ignore_index, ctx.z_loss)
+    args = (logits, target, lse, grad_rows, ctx.ignore_index, ctx.z_loss, ctx.softcap)
     if ctx.inplace:
         _cross_entropy_backward_(*args)
         # A fresh alias, not the saved tensor itself: autograd adopts a leaf's gradient without a
         # copy only when nothing else holds the tensor handed to it.
-        return logits.detach(), None, None, None, None
-    return _cross_entropy_backward(*args), None, None, None, None
+        return logits.detach(), None, None, None, None, None
+    return _cross_entropy_backward(*args), None, None, None, None, None
 
 
 _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
@@ -187,9 +188,11 @@ def cross_entropy(
     z_loss: float = 0.0,
     return_z_loss: bool = False,
     inplace_backward: bool = False,
+    softcap: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of logits (N, V) against target (N,) plus z_loss * lse^2 per counted row; fp32
     loss, "mean" over non-ignored rows. With return_z_loss, (loss, the z-loss term alone, detached).
+    softcap > 0: of the logits softcap * tanh(logits / softcap), capped in fp32 inside the kernels.
 
     inplace_backward=True makes the backward write the gradient over the logits, so the pair costs
     one (N, V) buffer instead of two: after the backward the logits' values are gone, and reading
@@ -199,7 +202,7 @@ def cross_entropy(
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     target = target.contiguous()
-    loss_rows, z_rows, _ = _cross_entropy(logits, target, ignore_index, z_loss, inplace_backward)
+    loss_rows, z_rows, _ = _cross_entropy(logits, target, ignore_index, z_loss, inplace_backward, softcap)
     loss = reduce_rows(loss_rows, target, ignore_index, reduction)
     return (loss, reduce_rows(z_rows, target, ignore_index, reduction)) if return_z_loss else loss
 
@@ -217,6 +220,7 @@ def _linear_cross_entropy(
     z_loss: float,
     compute_dtype: torch.dtype,
     with_grad: bool,
+    softcap: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, z-loss term, dinput, fp32 dweight), the gradients those of the summed loss: the mean's
     1/n joins the upstream gradient in the backward, so fp16 never holds (p - onehot) / n. They are
@@ -229,7 +233,7 @@ def _linear_cross_entropy(
     # Autocast would recast the matmuls inside, including the fp32 weight-gradient accumulator.
     with torch.autocast(input.device.type, enabled=False):
         loss_rows, z_rows, dinput, dweight = ops.linear_cross_entropy_forward(
-            input, weight, target, ignore_index, compute_dtype, z_loss, ones if early else None
+            input, weight, target, ignore_index, compute_dtype, z_loss, ones if early else None, softcap
         )
     if not early:
         dinput, dweight = input.new_empty(0), weight.new_empty(0, dtype=torch.float32)
@@ -242,7 +246,7 @@ def _linear_cross_entropy(
 
 
 @_linear_cross_entropy.register_fake
-def _(input, weight, target, ignore_index, reduction, z_loss, compute_dtype, with_grad):
+def _(input, weight, target, ignore_index, reduction, z_loss, compute_dtype, with_grad, softcap):
     early = with_grad and reduction != "none"
     return (
         _loss_fake(input, reduction),
@@ -261,24 +265,27 @@ def _linear_cross_entropy_backward(
     ignore_index: int,
     z_loss: float,
     compute_dtype: torch.dtype,
+    softcap: float,
 ) -> tuple[Tensor, Tensor]:
     """(dinput, fp32 dweight) of sum_i grad_scale[i] * loss_i, grad_scale 0-dim or (N,)."""
     from .ops import linear_cross_entropy as ops
 
     with torch.autocast(input.device.type, enabled=False):
         _, _, dinput, dweight = ops.linear_cross_entropy_forward(
-            input, weight, target, ignore_index, compute_dtype, z_loss, grad_scale
+            input, weight, target, ignore_index, compute_dtype, z_loss, grad_scale, softcap
         )
     return dinput, dweight
 
 
 @_linear_cross_entropy_backward.register_fake
-def _(input, weight, target, grad_scale, ignore_index, z_loss, compute_dtype):
+def _(input, weight, target, grad_scale, ignore_index, z_loss, compute_dtype, softcap):
     return torch.empty_like(input), torch.empty_like(weight, dtype=torch.float32)
 
 
 def _linear_cross_entropy_setup(ctx, inputs, output):
-    input, weight, target, ctx.ignore_index, ctx.reduction, ctx.z_loss, ctx.compute_dtype, with_grad = inputs
+    input, weight, target, ctx.ignore_index, ctx.reduction, ctx.z_loss, ctx.compute_dtype, with_grad, ctx.softcap = (
+        inputs
+    )
     _, z, dinput, dweight = output
     ctx.early = with_grad and ctx.reduction != "none"
     ctx.mark_non_differentiable(z, dinput, dweight)
@@ -294,9 +301,9 @@ def _linear_cross_entropy_grad(ctx, grad_loss, _, __, ___):
         dinput, dweight = dinput * scale, dweight * scale
     else:
         dinput, dweight = _linear_cross_entropy_backward(
-            input, weight, target, scale, ctx.ignore_index, ctx.z_loss, ctx.compute_dtype
+            input, weight, target, scale, ctx.ignore_index, ctx.z_loss, ctx.compute_dtype, ctx.softcap
         )
-    return dinput, dweight.to(weight.dtype), None, None, None, None, None, None
+    return dinput, dweight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 _linear_cross_entropy.register_autograd(_linear_cross_entropy_grad, setup_context=_linear_cross_entropy_setup)
@@ -311,8 +318,10 @@ def linear_cross_entropy(
     *,
     z_loss: float = 0.0,
     return_z_loss: bool = False,
+    softcap: float = 0.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """cross_entropy(input @ weight.T, target, ...) for input (N, D), weight (V, D), chunked over rows.
+    """cross_entropy(input @ weight.T, target, ...) for input (N, D), weight (V, D), chunked over rows;
+    softcap as in cross_entropy, applied to each chunk's logits inside the kernel.
 
     The matmuls run in the autocast dtype when autocast is on (as F.linear would), else in the
     promoted dtype of input and weight; softmax and accumulation are fp32; the loss is fp32.
@@ -324,6 +333,6 @@ def linear_cross_entropy(
         compute_dtype = torch.promote_types(input.dtype, weight.dtype)
     with_grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
     loss, z, _, _ = _linear_cross_entropy(
-        input, weight, target.contiguous(), ignore_index, reduction, z_loss, compute_dtype, with_grad
+        input, weight, target.contiguous(), ignore_index, reduction, z_loss, compute_dtype, with_grad, softcap
     )
     return (loss, z) if return_z_loss else loss

@@ -24,6 +24,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     return (xf * rstd * weight).to(x.dtype)
 
 
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma 2's final_logit_softcapping); the logits as they are for cap 0."""
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -32,11 +37,12 @@ def cross_entropy(
     *,
     z_loss: float = 0.0,
     return_z_loss: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of logits (N, V) against target (N,), computed in (at least) fp32, plus the
     z-loss z_loss * logsumexp(logits)^2 of each counted row, reduced alike; with return_z_loss,
-    (loss, z-loss term alone, detached)."""
-    logits = _upcast(logits)
+    (loss, z-loss term alone, detached). softcap > 0: of the logits soft_cap(logits, softcap)."""
+    logits = soft_cap(_upcast(logits), softcap)
     loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
     if not (z_loss or return_z_loss):
         return loss
@@ -55,7 +61,10 @@ def linear_cross_entropy(
     *,
     z_loss: float = 0.0,
     return_z_loss: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy(input @ weight.T, target, ...); input (N, D), weight (V, D)."""
     logits = F.linear(input, weight)  # (N, V)
-    return cross_entropy(logits, target, ignore_index, reduction, z_loss=z_loss, return_z_loss=return_z_loss)
+    return cross_entropy(
+        logits, target, ignore_index, reduction, z_loss=z_loss, return_z_loss=return_z_loss, softcap=softcap
+    )

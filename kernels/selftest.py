@@ -3,39 +3,154 @@ about to run: a kernel that computes wrong on this device, dtype or shape, or fa
 found before it trains anything. Triton's interpreter cannot check a GPU's bf16 code, so the first
 GPU run checks it itself (a trainer calls `failures` before its first step).
 
-Each op runs as a trainer calls it: under autocast in the run's dtype, on activations and weights
-in the dtype the parameters compute in, once with gradients (training's launches) and once without
-(evaluation's). The probe keeps what picks the kernels' code: the hidden size, the dtype, and so
+What is probed is what the run launches: `recording()` notes each call of the public ops (OPS) as
+a `Launch` (the op, each tensor's dtype and its shape past the rows, every other argument by name,
+the autocast dtype around the call and whether it runs with gradients), so a caller records its
+model's calls (over fake tensors: fastpt.selfcheck) and probes each distinct launch, forward and,
+with gradients, backward; an argument an op gains later is recorded and probed with no edit here.
+A probe keeps what picks the kernels' code: the trailing sizes, the dtypes, the options, and so
 each kernel's tile; it narrows the rest. On a GPU ROWS rows, a multiple of 16 as a run's rows are,
 so that Triton specializes the integer arguments as for the run (all but the RMSNorm backward's
-rows per program), fewer under the interpreter; and the vocabulary cut to two tiles of the
+rows per program), fewer under the interpreter; and a loss's vocabulary cut to two tiles of the
 cross-entropy kernel's sweep, a full one and then one as long as the run's last (ragged when the
-run's is, with the same padding), so that the sweep's carry from tile to tile is checked too. The
-standalone cross_entropy op is not probed: the model never calls it (its loss is linear +
-cross-entropy, whose launches run the same kernel).
+run's is, with the same padding), so that the sweep's carry from tile to tile is checked too.
 
-The oracle is the reference in float64; each result and input gradient must lie within TOLERANCE
-(of the dtype) times the oracle's largest magnitude, the kernels' documented accuracy, or within
-twice the reference's own error in the run's dtype where that is larger (bf16 rounding of a large
-gradient is no kernel's fault).
+The oracle is the reference in float64 on the inputs as the op computes with them (those an
+autocast matmul rounds, rounded first), with the kernel's upstream gradient. Each output is held to
+the precision it is computed in (`precision`): the lower of its own dtype and, for an op whose
+matmul autocast casts, that matmul's dtype. Two tests, each passed also within twice the
+reference's own error in the run's dtype where that is larger:
+- the largest difference, relative to the oracle's largest magnitude, within TOLERANCE (the
+  kernels' documented accuracy: what a wrong region, a nan or a failed compile shows);
+- the bias, the error's component along the oracle (sum((kernel - oracle) * oracle) /
+  sum(oracle^2)), within `bias_tolerance`: the precision's unit roundoff u (bf16 3.9e-3) plus
+  fp32's 1e-4. A largest difference cannot tell a 0.5% scale error from bf16 rounding (half an ulp
+  is up to 0.39%); the bias can. An output rounded once from fp32 arithmetic (the norms' results
+  and gradients, the weight gradients) errs by less than u in every element, so its bias, a
+  weighted average of those errors, cannot pass u: no false alarm on any shape, where a 0.5% scale
+  error reads 5e-3. The loss and its gradients come through bf16 logits, averages of many
+  roundings: in bf16 the reference's own bias stays under u / 2 (tests/test_selfcheck.py), where a
+  loss 0.05 nat off reads 0.05 / ln(vocab) ~ 5e-3.
 """
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 
 import torch
 
 from . import api
 
-__all__ = ["TOLERANCE", "ROWS", "failures", "probe_vocab"]
+__all__ = [
+    "Launch",
+    "as_computed",
+    "errors",
+    "precision",
+    "ROWS",
+    "TOLERANCE",
+    "bias_tolerance",
+    "failures",
+    "probe_inputs",
+    "probe_vocab",
+    "recording",
+    "run",
+]
 
-# Relative to the oracle's largest magnitude: fp32 kernels agree to ~1e-5 (the margin covers the
-# reductions' order), 16-bit ones to a rounding of their inputs and outputs.
+OPS = ("rms_norm", "cross_entropy", "linear_cross_entropy")
+AUTOCAST_MATMUL = ("linear_cross_entropy",)  # ops whose matmul runs in the autocast dtype
+# The largest difference, relative to the oracle's largest magnitude: fp32 kernels agree to ~1e-5
+# (the margin covers the reductions' order), 16-bit ones to a rounding of their inputs and outputs.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 # The probe's rows. On a GPU 16, as a run's rows are a multiple of 16, so that the probe's launches
 # compile once for both (tests/test_aot.py); Triton's interpreter compiles nothing and pays per row
-# (a program each), so 8 there. The first row is ignored (-100), as padding makes, the second
-# targets the last logit.
+# (a program each), so 8 there. A loss ignores every other row (-100, as padding makes), so that the
+# mean's 1 / rows counted is exact in 16-bit floats (else rounding it scales every gradient alike: up
+# to a unit roundoff of bias in the reference's own); its second row targets the last logit.
 ROWS, INTERPRETED_ROWS = 16, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """A tensor argument of a launch: per row (its shape past the rows) or whole (a parameter's)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    per_row: bool
+    requires_grad: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kind of call of a public op, as a run makes it."""
+
+    op: str
+    tensors: tuple[Arg, ...]
+    options: tuple[tuple[str, object], ...]  # every other argument, by name, defaults included
+    autocast: torch.dtype | None  # the autocast dtype around the call, None when off
+    grad: bool  # with gradients: training's call, whose backward is probed too
+
+    def __str__(self) -> str:
+        defaults = inspect.signature(getattr(api, self.op)).parameters
+        shape = lambda a: "[" + ", ".join(["rows"] * a.per_row + [str(n) for n in a.shape]) + "]"  # noqa: E731
+        tensors = [f"{a.name} {shape(a)} {_name(a.dtype)}" for a in self.tensors]
+        options = [f"{k}={v!r}" for k, v in self.options if defaults[k].default != v]
+        how = [f"under {_name(self.autocast)} autocast"] if self.autocast else []
+        how.append("with gradients" if self.grad else "without gradients")
+        return f"{self.op}({', '.join(tensors + options)}) {' '.join(how)}"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _launch_of(op: str, bound: inspect.BoundArguments) -> Launch:
+    """The launch of a call: the rows are its first tensor's leading dims, every tensor that starts
+    with them and is no parameter is per row."""
+    bound.apply_defaults()
+    args = {k: v for k, v in bound.arguments.items() if k != "backend"}
+    tensors = {k: v for k, v in args.items() if isinstance(v, torch.Tensor)}
+    first = next(iter(tensors.values()))
+    rows = first.shape[:-1]
+
+    def arg(name: str, t: torch.Tensor) -> Arg:
+        per_row = not isinstance(t, torch.nn.Parameter) and t.shape[: len(rows)] == rows
+        return Arg(name, tuple(t.shape[len(rows) :] if per_row else t.shape), t.dtype, per_row, t.requires_grad)
+
+    device = first.device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values())
+    options = tuple((k, v) for k, v in args.items() if k not in tensors)
+    return Launch(op, tuple(arg(k, t) for k, t in tensors.items()), options, autocast, grad)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Launch]]:
+    """While inside, each call of a public op is noted, then made as called: yields the distinct
+    launches, in the order first made."""
+    seen: list[Launch] = []
+    real = {name: getattr(api, name) for name in OPS}
+
+    def recorded(name: str) -> Callable:
+        signature = inspect.signature(real[name])
+
+        @functools.wraps(real[name])
+        def op(*args, **kwargs):
+            if (launch := _launch_of(name, signature.bind(*args, **kwargs))) not in seen:
+                seen.append(launch)
+            return real[name](*args, **kwargs)
+
+        return op
+
+    try:
+        for name in OPS:
+            setattr(api, name, recorded(name))
+        yield seen
+    finally:
+        for name, fn in real.items():
+            setattr(api, name, fn)
 
 
 def probe_vocab(vocab: int, dtype: torch.dtype) -> int:
@@ -47,89 +162,133 @@ def probe_vocab(vocab: int, dtype: torch.dtype) -> int:
     return vocab if vocab <= 2 * block else block + (vocab - 1) % block + 1
 
 
-def _probes(
-    device: torch.device, dim: int, vocab: int, dtype: torch.dtype, eps: float, z_loss: float
-) -> dict[str, tuple[Callable, dict[str, torch.Tensor], bool]]:
-    """Each op the model calls, with its named inputs in `dtype` and whether it launches a kernel of
-    its own without gradients (linear + cross-entropy's loss alone, evaluation's)."""
-    rows = ROWS if device.type == "cuda" else INTERPRETED_ROWS
-    gen = torch.Generator(device).manual_seed(0)
-    randn = lambda *shape: torch.randn(shape, generator=gen, device=device).to(dtype)  # noqa: E731
-    target = torch.randint(0, vocab, (rows,), generator=gen, device=device)
-    target[:2] = torch.tensor([-100, vocab - 1])
-    return {
-        "rms_norm": (lambda x, w, b: b(x, w, eps), {"input": randn(rows, dim), "weight": 1 + 0.1 * randn(dim)}, False),
-        "linear_cross_entropy": (
-            lambda x, w, b: b(x, w, target, z_loss=z_loss),
-            {"input": randn(rows, dim), "weight": randn(vocab, dim) / dim**0.5},
-            True,
-        ),
-    }
+def _matmul_dtype(launch: Launch) -> torch.dtype:
+    """The dtype an op's matmul runs in: autocast's, else its floating inputs' promoted dtype."""
+    if launch.autocast:
+        return launch.autocast
+    floats = [a.dtype for a in launch.tensors if a.dtype.is_floating_point]
+    return functools.reduce(torch.promote_types, floats)
 
 
-def _worst(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """The largest difference relative to the oracle's largest magnitude (inf for a nan or inf)."""
-    diff = (actual.double() - expected).abs().max()
-    return (diff / expected.abs().max().clamp_min(1e-30)).nan_to_num(float("inf")).item()
+def probe_inputs(launch: Launch, device: torch.device, rows: int | None = None, seed: int = 0) -> dict:
+    """The probe's inputs of `launch` on `device`, random from `seed`: `rows` rows (ROWS on a GPU,
+    INTERPRETED_ROWS elsewhere), a loss's vocabulary cut to two tiles of the sweep."""
+    rows = rows or (ROWS if device.type == "cuda" else INTERPRETED_ROWS)
+    gen = torch.Generator(device).manual_seed(seed)
+    args = {a.name: a for a in launch.tensors}
+    options = dict(launch.options)
+
+    def randn(a: Arg, *shape: int) -> torch.Tensor:
+        return torch.randn(shape or ((rows,) if a.per_row else ()) + a.shape, generator=gen, device=device).to(a.dtype)
+
+    def target(vocab: int) -> torch.Tensor:
+        t = torch.randint(0, vocab, (rows,), generator=gen, device=device)
+        t[::2], t[1] = options["ignore_index"], vocab - 1
+        return t
+
+    if launch.op == "rms_norm":
+        return {"x": randn(args["x"]), "weight": 1 + 0.1 * randn(args["weight"])}
+    if launch.op == "linear_cross_entropy":
+        (vocab, dim), logits = args["weight"].shape, _matmul_dtype(launch)
+        vocab = probe_vocab(vocab, logits)
+        weight = randn(args["weight"], vocab, dim) / dim**0.5  # logits of unit size
+        return {"input": randn(args["input"]), "weight": weight, "target": target(vocab)}
+    if launch.op == "cross_entropy":
+        vocab = probe_vocab(args["logits"].shape[-1], args["logits"].dtype)
+        return {"logits": randn(args["logits"], rows, vocab), "target": target(vocab)}
+    raise NotImplementedError(f"no probe for the op {launch.op!r}: add its inputs to kernels/selftest.py")
 
 
-def _run(
-    name: str, call: Callable, inputs: list[torch.Tensor], backend: str, dtype: torch.dtype, evaluation: bool
-) -> list[torch.Tensor]:
-    """The op's result under autocast to `dtype` with gradients (and without, for `evaluation`), and
-    the gradient of each input for a fixed random upstream gradient."""
-    op = lambda *a, **k: getattr(api, name)(*a, backend=backend, **k)  # noqa: E731
-    leaves = [t.detach().requires_grad_() for t in inputs]  # new leaves over the same storage: nothing writes it
-    autocast = lambda: torch.autocast(inputs[0].device.type, dtype, enabled=dtype != torch.float32)  # noqa: E731
-    with autocast():
-        out = call(*leaves, op)
-        if evaluation:
-            with torch.no_grad():
-                alone = call(*inputs, op)
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    out.backward(upstream.to(out.device, out.dtype))
-    return [out.detach(), *([alone] if evaluation else []), *(t.grad for t in leaves)]
+def run(launch: Launch, inputs: dict, backend: str, upstream: list) -> list[torch.Tensor]:
+    """The op's results as `launch` makes it (its autocast, with or without gradients) on `inputs`,
+    then with gradients each input's gradient where the launch's requires one, for the upstream
+    gradients in `upstream` (made on the first call)."""
+    device = next(iter(inputs.values())).device.type
+    wants_grad = {a.name: launch.grad and a.requires_grad for a in launch.tensors}
+    leaves = {k: t.detach().requires_grad_(wants_grad[k]) for k, t in inputs.items()}
+    autocast = torch.autocast(device, launch.autocast or torch.float32, enabled=launch.autocast is not None)
+    with torch.set_grad_enabled(launch.grad), autocast:
+        out = getattr(api, launch.op)(**leaves, **dict(launch.options), backend=backend)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    if not launch.grad:
+        return [o.detach() for o in outs]
+    wanted = [o for o in outs if o.requires_grad]
+    # bf16 values, exact in every dtype: with 1 / rows counted a power of two, the scale a mean's
+    # gradient shares is exact in 16 bits (a rounded one would bias every element alike).
+    gen = torch.Generator().manual_seed(1)
+    upstream += [torch.randn(o.shape, generator=gen).bfloat16() for o in wanted[len(upstream) :]]
+    torch.autograd.backward(wanted, [g.to(o.device, o.dtype) for g, o in zip(upstream, wanted)])
+    return [o.detach() for o in outs] + [leaves[a.name].grad for a in launch.tensors if wants_grad[a.name]]
 
 
-def _check(
-    name: str, call: Callable, inputs: dict[str, torch.Tensor], evaluation: bool, dtype: torch.dtype
-) -> str | None:
-    """What differs from the float64 oracle beyond the tolerance, or beyond twice the reference's
-    own error in `dtype` where that is larger (the result, or which input's gradient); or why it did not run."""
-    tensors = list(inputs.values())
+def precision(launch: Launch, dtype: torch.dtype) -> torch.dtype:
+    """The precision an output of `dtype` is computed in: its own, or the matmul's of an op whose
+    matmul autocast casts (linear + cross-entropy's fp32 loss comes from bf16 logits), the lower."""
+    dtypes = [dtype] + ([_matmul_dtype(launch)] if launch.op in AUTOCAST_MATMUL else [])
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
+def bias_tolerance(dtype: torch.dtype) -> float:
+    """The bias an output computed in `dtype` may show: its unit roundoff, plus fp32's 1e-4 (the
+    reductions' order)."""
+    return torch.finfo(dtype).eps / 2 + TOLERANCE[torch.float32]
+
+
+def errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(the largest difference relative to the oracle's largest magnitude, the bias), inf for a nan."""
+    diff = actual.double() - expected
+    tiny = torch.finfo(torch.float64).tiny
+    worst = diff.abs().max() / expected.abs().max().clamp_min(tiny)
+    bias = (diff * expected).sum() / expected.square().sum().clamp_min(tiny)
+    return tuple(v.nan_to_num(float("inf"), float("inf"), float("inf")).item() for v in (worst, bias))
+
+
+def as_computed(launch: Launch, inputs: dict) -> dict:
+    """The inputs in float64 as the op computes with them: an autocast matmul's rounded to its dtype."""
+    rounds = launch.op in AUTOCAST_MATMUL and launch.autocast
+
+    def computed(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        return (t.to(launch.autocast) if rounds else t).double()
+
+    return {k: computed(t) for k, t in inputs.items()}
+
+
+def _check(launch: Launch, device: torch.device) -> str | None:
+    """What of the launch's outputs differs from the oracle beyond its tolerance, or beyond twice the
+    reference's own error in the run's dtype where that is larger; or why the kernel did not run."""
+    inputs, upstream = probe_inputs(launch, device), []
     try:
-        ours = _run(name, call, tensors, "triton", dtype, evaluation)
+        ours = run(launch, inputs, "triton", upstream)
     except Exception as e:  # a kernel that fails to compile or launch here: any error Triton raises
         return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-    oracle = _run(name, call, [t.double() for t in tensors], "torch", torch.float32, evaluation)
-    whats = ["the result", *(["the result without gradients"] if evaluation else [])]
-    whats += [f"the gradient of the {what}" for what in inputs]
+    oracle = run(dataclasses.replace(launch, autocast=None), as_computed(launch, inputs), "torch", upstream)
+    results = len(ours) - sum(a.requires_grad for a in launch.tensors if launch.grad)
+    whats = ["the result"] if results == 1 else [f"result {i + 1} of {results}" for i in range(results)]
+    whats += [f"the gradient of {a.name}" for a in launch.tensors if launch.grad and a.requires_grad]
+    reference = None
     for i, (what, actual, want) in enumerate(zip(whats, ours, oracle)):
-        if (worst := _worst(actual, want)) <= (rtol := TOLERANCE[dtype]):
+        worst, bias = errors(actual, want)
+        computed_in = precision(launch, actual.dtype)
+        limits = (TOLERANCE[computed_in], bias_tolerance(computed_in))
+        if worst <= limits[0] and abs(bias) <= limits[1]:
             continue
         # Only now: what the dtype's rounding alone costs the reference, on the same inputs.
-        limit = max(rtol, 2 * _worst(_run(name, call, tensors, "torch", dtype, evaluation)[i], want))
-        if worst > limit:
+        reference = reference or run(launch, inputs, "torch", upstream)
+        own = errors(reference[i], want)
+        if worst > (limit := max(limits[0], 2 * own[0])):
             return f"{what} differs from the reference by {worst:.1e} of its largest value (tolerance {limit:.0e})"
+        if abs(bias) > (limit := max(limits[1], 2 * abs(own[1]))):
+            return f"{what} is off the reference by {bias:+.1e} of its size on average (tolerance {limit:.1e})"
     return None
 
 
-def failures(
-    dtype: torch.dtype,
-    device: torch.device,
-    dim: int,
-    vocab: int,
-    eps: float = 1e-6,
-    z_loss: float = 0.0,
-    params: torch.dtype = torch.float32,
-) -> dict[str, str]:
-    """Each kernel (rms_norm, linear_cross_entropy: the cross-entropy kernel runs inside it) that
-    fails its probe at hidden size `dim` and vocabulary `vocab` under autocast to `dtype`, with
-    parameters and activations in `params`, on `device`, with what went wrong; empty when all pass."""
-    found = {}
-    for name, (call, inputs, evaluation) in _probes(
-        device, dim, probe_vocab(vocab, dtype), params, eps, z_loss
-    ).items():
-        if why := _check(name, call, inputs, evaluation, dtype):
-            found[name] = why
+def failures(launches: list[Launch], device: torch.device) -> dict[str, str]:
+    """Each op whose kernel fails its probe of one of `launches` on `device`: the launch and what went
+    wrong; empty when all pass."""
+    found: dict[str, str] = {}
+    for launch in launches:
+        if launch.op not in found and (why := _check(launch, device)):
+            found[launch.op] = f"{launch}: {why}"
     return found

@@ -1,6 +1,7 @@
 """Faults injected into fastpt.train from outside its code, in a real process (`python -c SCRIPT`:
 a SIGKILL during a step, after a logged step or halfway through writing a checkpoint; a file-size
-limit that makes big writes fail like a full disk, EFBIG, also for root) or in this one through a
+limit that makes big writes fail like a full disk, EFBIG, also for root; file permissions that hold
+for root too: as_a_user; one torchrun rank's RMSNorm kernel 10% off) or in this one through a
 MonkeyPatch (NaN losses at chosen steps, a disk that fills up after a step)."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from fastpt import metrics, model
+from fastpt.kernels import functional
 
 IN_PROCESS = ("nan-at", "fill-disk-after-step")  # the faults that leave the process alive
 
@@ -69,6 +71,9 @@ def install(fault: str, at: str, argv: list[str], patch: Callable = setattr) -> 
             out = out._replace(loss=out.loss * float("nan"))
         return out
 
+    if fault == "wrong-kernel-on-rank" and os.environ.get("RANK") == str(at):  # only that rank's kernel
+        real_norm = functional.rms_norm
+        patch(functional, "rms_norm", lambda *args: real_norm(*args) * 1.1)
     if fault == "file-size-limit":
         import resource
 
@@ -79,6 +84,23 @@ def install(fault: str, at: str, argv: list[str], patch: Callable = setattr) -> 
     patch(model.Transformer, "forward", forward)
 
 
-def script_args(fault: str, at: int | str, *args: str) -> list[str]:
-    """The command line of a real process running fastpt.train with `fault` (see SCRIPT)."""
-    return [sys.executable, "-c", SCRIPT, os.path.dirname(os.path.abspath(__file__)), fault, str(at), *args]
+def as_a_user() -> None:
+    """A subprocess's preexec_fn: file permissions then stop it as they stop a user (chmod 000 is
+    unreadable). Root reads any file through CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: dropped from
+    the bounding set, the program it runs never holds them; a user holds neither to drop."""
+    if os.geteuid() != 0:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+def script_args(fault: str, at: int | str, *args: str, nproc: int = 0) -> list[str]:
+    """The command line of a real process running fastpt.train with `fault` (see SCRIPT); nproc > 0
+    launches it under torchrun with that many processes (gloo on CPU, a free port)."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--no-python"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [sys.executable, *([*torchrun, sys.executable] if nproc else []), "-c", SCRIPT, here, fault, str(at), *args]

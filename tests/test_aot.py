@@ -1,5 +1,7 @@
 """The sm_90 compile gate, no GPU needed: every kernel compiled for an H200 at the launch the
-launchers pick at the real shapes (bench/aot.py), and what the compiler made of it checked.
+launchers pick at the real shapes (bench/aot.py), and what the compiler made of it checked. The
+launches of a whole run, and of its self-check's probes, come from the run's model as
+fastpt.selfcheck records them, not from a list written here.
 
 It runs under whatever Triton is installed (3.9 in CI; 3.6, the GPU machine's, in a scratch venv:
 `pip install torch==2.13.0 triton==3.6.0`). `pytest -s tests/test_aot.py -m slow` prints the table.
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from bench import aot
-from fastpt.kernels import selftest
+from fastpt import selfcheck
 
 pytest.importorskip("triton.backends.nvidia")  # the compiler and its ptxas / cuobjdump
 
@@ -102,30 +104,27 @@ def test_sm_count_override_is_restored():
     assert _launch.SM_COUNT is None and _launch.max_programs(torch.device("cpu")) == 4
 
 
-def _model_launches(rows: int, vocab: int) -> None:
-    """The kernels a bf16 0.04b run launches (hidden 512): the norm over fp32 activations, the loss
-    with its gradient (training) and without (evaluation) in bf16, as autocast has it."""
-    from fastpt.kernels.ops import linear_cross_entropy, rms_norm
-
-    x, w, head = (torch.empty(*shape, device=aot.M) for shape in ((rows, 512), (512,), (vocab, 512)))
-    _, rstd = rms_norm.rms_norm_forward(x, w, 1e-6)
-    rms_norm.rms_norm_backward(torch.empty_like(x), x, w, rstd)
-    target = torch.empty(rows, dtype=torch.long, device=aot.M)
-    for scale in (torch.ones((), device=aot.M), None):
-        linear_cross_entropy.linear_cross_entropy_forward(x, head, target, -100, torch.bfloat16, 0.0, scale)
-
-
 @pytest.mark.slow
-def test_the_kernel_probe_compiles_what_the_run_compiles():
-    """On a GPU the self-check's compiles are the run's own (equal cache keys), but for the RMSNorm
-    backward's, whose rows per program differ: the planned cost in docs/kernels.md."""
-    keys = {}
-    for name, rows, vocab in (
-        ("probe", selftest.ROWS, selftest.probe_vocab(32000, torch.bfloat16)),
-        ("run", 16384, 32000),
-    ):
-        compiled = aot.compile_case(lambda rows=rows, vocab=vocab: _model_launches(rows, vocab))
-        keys[name] = {(c.kernel, str(c.constexprs)): c.key for c in compiled}
-    assert keys["probe"].keys() == keys["run"].keys() and len(keys["run"]) == 4, keys
+@pytest.mark.parametrize("recipe", ["seed", "modern", "modern-softcap"])
+def test_the_kernel_probe_compiles_what_the_run_compiles(recipe):
+    """On a GPU the self-check's compiles are the run's own (equal cache keys) for every launch its
+    model makes, QK-norm's over the head size under modern included and the capped loss's under
+    modern-softcap (--logit-softcap 15), but for the RMSNorm backward's over the hidden size, whose
+    rows per program differ: the planned cost in docs/kernels.md. Both lists come from the run's
+    model: the probe's as fastpt.selfcheck records it, the run's compiled at its own shapes."""
+    cfg, mcfg = aot.planned("--preset", "0.04b", "--recipe", recipe, "--dtype", "bf16", "--micro-batch", "16")
+    launches = selfcheck.launches(cfg, mcfg, torch.float32)
+    keys, caps = {}, set()
+    for name, call in (("probe", lambda: aot.probe_launches(launches)), ("run", lambda: aot.run_launches(cfg, mcfg))):
+        compiled = aot.compile_case(call)
+        keys[name] = {(c.kernel, c.signature, str(c.constexprs)): c.key for c in compiled}
+        caps |= {c.constexprs["SOFTCAP"] for c in compiled if c.kernel == "_cross_entropy_kernel"}
+    assert caps == {15.0 if recipe == "modern-softcap" else 0.0}, caps
+    norms = 2 if recipe.startswith("modern") else 1  # the hidden size's, and QK-norm's (bf16 x, fp32 weight)
+    assert keys["probe"].keys() == keys["run"].keys() and len(keys["run"]) == 2 + 2 * norms, keys
+    qk_norm = [
+        k for k in keys["run"] if k[0] == "_rms_norm_fwd_kernel" and k[1].startswith("*bf16 i32 *bf16 i32 *fp32")
+    ]
+    assert len(qk_norm) == norms - 1, keys
     differ = [kernel for kernel, key in keys["probe"].items() if keys["run"][kernel] != key]
-    assert [kernel for kernel, _ in differ] == ["_rms_norm_bwd_kernel"], differ
+    assert [(kernel, signature[:5]) for kernel, signature, _ in differ] == [("_rms_norm_bwd_kernel", "*fp32")], differ

@@ -3,8 +3,11 @@ command that loads one)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -12,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_one_line_error, read_metrics, run_main, run_quietly, run_train, tiny_args
+import faults
+from conftest import REPO, assert_one_line_error, read_metrics, run_main, run_quietly, run_train, tiny_args
 from fastpt import checkpoint, checkpointer, export, sample, train
 
 
@@ -410,3 +414,87 @@ def test_resume_peaks_no_higher_than_a_fresh_run(tmp_path):
     checkpointer.start_or_resume(cfg, run_checkpointer(net), torch.device("cpu"), lambda line: None)
     assert all(torch.equal(net.raw.state_dict()[k], v) for k, v in saved.items())
     assert all(len(s) for opt in net.optimizers for s in opt.state.values())
+
+
+# ---- only proven damage is skipped (issue 55)
+
+
+def test_a_one_block_unet_has_no_skip_weight_and_every_parameter_is_trained():
+    """n_layers 1 has no block pair to join: an empty skip_weights got no gradient, so no optimizer
+    state, and no checkpoint of the run resumed ("Missing optimizer state for 'skip_weights'")."""
+    from fastpt.model import Transformer
+    from fastpt.presets import ModelConfig
+
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16, unet_skips=True))
+    assert model.skip_weights is None and model.num_params() == model.cfg.num_params()
+    x = torch.randint(0, 64, (2, 16))
+    model(x, labels=x).loss.backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []
+
+
+@pytest.mark.slow
+def test_a_one_block_unet_run_resumes_exactly(tiny_data, tmp_path):
+    """Resumed from its step-2 checkpoint (the step-4 one removed), the run logs the same losses."""
+    flags = dict(unet_skips=True, n_layers=1, max_steps=4, ckpt_every=2, log_every=1)
+    args = tiny_args(tiny_data, tmp_path / "run", **flags)
+    whole = run_train(*args)
+    assert whole.returncode == 0, whole.stderr
+    uninterrupted = losses(tmp_path / "run")
+    (tmp_path / "run" / "ckpt_00000004.pt").unlink()
+    resumed = run_train(*args, "--resume")
+    assert resumed.returncode == 0 and not resumed.stderr, resumed.stderr
+    assert f"resumed from {tmp_path / 'run' / 'ckpt_00000002.pt'} at step 2" in resumed.stdout
+    assert losses(tmp_path / "run") == uninterrupted and len(uninterrupted) == 4
+
+
+def folder_state(folder: Path) -> dict[str, bytes]:
+    """Each file's bytes by name (the run lock, which every trainer rewrites, left out)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != ".lock"}
+
+
+def test_a_checkpoint_that_does_not_fit_the_code_is_never_called_damaged(reference, tiny_data, tmp_path, capsys):
+    """Its bytes match its checksum, so they are as fastpt wrote them: an optimizer state that does not
+    fit the run is a mismatch of code or config, not damage. The resume stops in one line naming it
+    and changes nothing: no older checkpoint silently costs its steps, nothing is moved aside."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)  # checkpoints 4 and 6
+    newest = run_dir / "ckpt_00000006.pt"
+    ckpt = checkpoint.load(newest)
+    del ckpt["optimizer"]["state"]["tok_embeddings.weight"]  # what code that saved another optimizer writes
+    checkpointer.write_file(newest, ckpt)
+    before = folder_state(run_dir)
+    code, _, err = run_main(train.main, run_args(tiny_data, run_dir, "--resume", "--max-steps", "8"), capsys)
+    assert_one_line_error(
+        code, err, f"could not load the optimizer state from {newest}: ", "tok_embeddings.weight", "nothing was changed"
+    )
+    assert "damaged" not in err.replace("not known to be damaged", "")
+    assert folder_state(run_dir) == before
+
+
+@pytest.mark.slow
+def test_an_unreadable_newest_checkpoint_stops_the_resume_and_stays_in_place(reference, tiny_data, tmp_path):
+    """chmod 000 (as a user: root's override dropped, faults.as_a_user) is no proof of damage: the
+    resume stops in one line naming the file and the OS's reason, renames nothing, and retrains
+    nothing; once readable again, it resumes from it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    newest = run_dir / "ckpt_00000006.pt"
+    newest.chmod(0)
+    before = folder_state(run_dir)
+    args = run_args(tiny_data, run_dir, "--resume", "--max-steps", "8")
+    result = subprocess.run(
+        [sys.executable, "-m", "fastpt.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        preexec_fn=faults.as_a_user,
+    )
+    said = f"could not read checkpoint {newest}: Permission denied"
+    assert_one_line_error(result.returncode, result.stderr, said, "nothing was changed")
+    assert folder_state(run_dir) == before and newest.stat().st_mode & 0o777 == 0
+    newest.chmod(0o644)
+    code, out, err = run_quietly(train.main, args)
+    assert code == 0 and not err, err
+    assert f"resumed from {newest} at step 6" in out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -87,7 +88,15 @@ def test_0_04b_preset_has_42m_parameters_and_tied_head():
     assert 42.0e6 < model.num_params() < 42.2e6
     assert model.output_weight is model.tok_embeddings.weight
     n = model.num_params()
-    assert model.flops_per_token(1024) == 6 * n + 12 * 8 * 512 * 1024
+    assert model.cfg.flops_per_token(1024) == 6 * n + 6 * 8 * 512 * 1024  # causal attention: half of 12 L d T
+
+
+def test_an_untied_input_embedding_is_a_lookup_not_model_flops():
+    """Untying adds a (V, C) lookup table, not a matmul: the same model FLOPs per token as tied."""
+    tied = PRESETS["0.04b"]
+    untied = dataclasses.replace(tied, tie_embeddings=False)
+    assert untied.num_params() == tied.num_params() + 32000 * 512
+    assert untied.flops_per_token(1024) == tied.flops_per_token(1024)
 
 
 def test_model_returns_named_outputs_that_unpack_as_the_seed_loop_does_and_ignores_minus_100():

@@ -24,7 +24,7 @@ from fastpt import prepare, sample, train
 from fastpt.data.dataset import data_vocab, find_shards
 from fastpt.data.shards import read_shard, write_shard
 from fastpt.data.sources import parse_hub_spec
-from fastpt.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, copy_for_run, load_tokenizer
+from fastpt.data.tokenizer import ByteTokenizer, CharTokenizer, HFTokenizer, load_tokenizer, run_tokenizer
 
 DOCS = [
     "First document.\nIt has two lines.",
@@ -262,9 +262,7 @@ def test_headerless_data_without_meta_is_gpt2(tmp_path):
     even when the data never uses it, and the run folder names GPT-2's tokenizer."""
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "train.bin")
     assert data_vocab(tmp_path, [tmp_path / "train.bin"], headerless=True) == 50257
-    (tmp_path / "run").mkdir()
-    copy_for_run(tmp_path, tmp_path / "run")
-    assert json.loads((tmp_path / "run" / "tokenizer.json").read_text()) == {"type": "tiktoken", "name": "gpt2"}
+    assert json.loads(run_tokenizer(tmp_path)) == {"type": "tiktoken", "name": "gpt2"}
 
 
 def test_out_is_never_a_users_folder_and_replacing_a_dataset_needs_overwrite(tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_one_line_error, run_main, run_quietly, tiny_args, train_refuses
-from fastpt import cores, distributed, files, prepare, train
+from fastpt import cores, distributed, files, prepare, sample, train
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +42,27 @@ def no_work(monkeypatch):
     monkeypatch.setattr(train.fit, "auto_micro_batch", work)
 
 
-def test_resume_of_a_typo_names_the_nearest_run_and_starts_afresh(runs, tiny_data, capsys):
+def test_resume_of_a_typo_refuses_naming_the_nearest_run(runs, tiny_data, capsys, no_work):
+    """issue 55: a --resume whose folder is missing and whose name is near a run's is a typo: refused
+    (exit 2) before any work, not a new run trained into it."""
     typo = runs / "copyrigth"
-    code, out, err = run_main(train.main, tiny_args(tiny_data, typo, "--resume", max_steps=1), capsys)
+    train_refuses(
+        capsys,
+        tiny_args(tiny_data, typo, "--resume", max_steps=1),
+        f"--resume: nothing to resume, {typo} does not exist (did you mean {runs / 'copyright'}?): "
+        "give that run's folder, or drop --resume to start a new run here",
+    )
+    assert not typo.exists()
+
+
+def test_resume_of_the_next_numbered_run_starts_it_naming_the_nearest(runs, tiny_data, capsys):
+    """A name that differs from a run's only in its digits (copyright2 beside copyright, seed2 beside
+    seed1) is a sweep's next run, which a script that always passes --resume starts: it starts, saying so."""
+    sibling = runs / "copyright2"
+    code, out, err = run_main(train.main, tiny_args(tiny_data, sibling, "--resume", max_steps=1), capsys)
     assert code == 0, err
     assert out.startswith(
-        f"--resume: nothing to resume, {typo} does not exist (did you mean {runs / 'copyright'}?); "
+        f"--resume: nothing to resume, {sibling} does not exist (did you mean {runs / 'copyright'}?); "
         "starting the run from step 0\n"
     ), out
 
@@ -158,7 +173,7 @@ def test_default_threads_leave_the_busy_cores(monkeypatch):
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (3.4, 0.0, 0.0))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert distributed.cpu_threads(0) == 13
-    assert distributed.cpu_threads(5) == 5
+    assert distributed.cpu_threads(5) == 5 and distributed.cpu_threads(100_000) == 16
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert distributed.cpu_threads(0) == 6
     monkeypatch.setattr(distributed.os, "getloadavg", lambda: (40.0, 0.0, 0.0))
@@ -171,15 +186,20 @@ def test_default_threads_leave_the_busy_cores(monkeypatch):
     assert distributed.cpu_threads(0) == 1
 
 
-def test_threads_are_set_and_named_in_the_summary(tiny_data, tmp_path, capsys):
+def test_threads_are_capped_at_the_cores_set_and_named_in_the_summary(tiny_data, tmp_path, capsys, monkeypatch):
+    """--threads beyond the cores this process may use (5,000 starved a 2-core machine, 100,000 crashed
+    torch and left the run's lock behind) is capped at them, with one line saying so."""
+    monkeypatch.setattr(cores, "all_cores", lambda: 1)
     before = torch.get_num_threads()
     try:
-        code, out, err = run_main(train.main, tiny_args(tiny_data, tmp_path / "run", threads=1, max_steps=1), capsys)
+        code, out, err = run_main(train.main, tiny_args(tiny_data, tmp_path / "run", threads=5000, max_steps=1), capsys)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     assert code == 0, err
-    assert "| kernels auto | threads 1 | MFU" in out
+    assert "| kernels torch (auto) | threads 1 | MFU" in out
+    warning = "fastpt: warning: --threads 5000 is more than the 1 core this process may use: using 1\n"
+    assert err.startswith(warning) and err.count(warning) == 1, err
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -218,3 +238,27 @@ def test_prepare_names_a_binary_file_and_skips_it_when_asked(tmp_path, capsys):
     assert code is None or code == 0, err
     assert f"--skip-binary: left out 1 file(s) that are not text: {corpus / 'logo.png'}" in out
     assert (tmp_path / "data" / "meta.json").is_file()
+
+
+def test_prepare_without_inputs_says_it_reads_the_standard_library(tmp_path, capsys, monkeypatch):
+    """issue 55: a newcomer who gives no inputs learns what the corpus is (here two of its files)."""
+    monkeypatch.setattr(prepare, "stdlib_sources", lambda: [Path(os.__file__), Path(os.__file__).with_name("abc.py")])
+    code, out, err = run_main(prepare.main, ["--tokenizer", "bytes", "--workers", "1", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert out.startswith("no inputs given: the corpus is the Python standard library's source (2 .py files in "), out
+
+
+def test_sample_of_a_data_folder_says_it_is_one(tiny_data, capsys):
+    """issue 55: not 'train with --out DATA first', which would train into the data folder."""
+    code, _, err = run_main(sample.main, ["--ckpt", str(tiny_data), "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, f"{tiny_data} is a data folder (token shards), not a run")
+
+
+@pytest.mark.parametrize("garbled", [b"garbage" * 100, b"PK\x03\x04" + bytes(range(256)) * 4])
+def test_a_garbled_checkpoint_is_one_line_of_fastpts_own(tmp_path, capsys, garbled):
+    """issue 55: no torch advice on torch.save's zipfile option for a file that is no checkpoint."""
+    bad = tmp_path / "ckpt_00000001.pt"
+    bad.write_bytes(garbled)
+    code, _, err = run_main(sample.main, ["--ckpt", str(bad), "--device", "cpu"], capsys)
+    assert_one_line_error(code, err, f"could not read checkpoint {bad}: not a whole checkpoint (cut short, or another")
+    assert "torch.save" not in err and "zip" not in err, err

@@ -21,6 +21,7 @@ from fastpt.config import resolve
 from fastpt.errors import ConfigError
 from fastpt.plan import fit, gpus, planner, progress, torch_internals
 from fastpt.plan.memory import ALIVE, CachingAllocator, Life, MemoryTrace, replay, sweep
+from fastpt.step import accum_at
 
 MIB = 2**20
 SMALL = ("--preset", "tiny", "--vocab-size", "512", "--micro-batch", "4", "--seq-len", "64")
@@ -561,10 +562,13 @@ def test_the_plan_counts_the_runs_tokens():
     plan = plan_of(*SMALL, "--max-steps", "1000", "--grad-accum", "2", "--plan-world-size", "2")
     assert planner.describe(plan)[0].endswith(" | 1,000 steps x 1,024 tokens = 1.0M tokens")
     assert planner.to_json(plan)["tokens"] == 1000 * 4 * 64 * 2 * 2
-    ramp = dataclasses.replace(plan, cfg=dataclasses.replace(plan.cfg, batch_warmup_steps=100))
-    left_out = 100 * 2 - sum(1 + s // 100 for s in range(100))
-    assert planner.to_json(ramp)["tokens"] == (1000 * 2 - left_out) * 4 * 64 * 2
-    assert planner.describe(ramp)[0].endswith(" | 1,000 steps = 972,800 tokens (a batch warm-up of 100 first)")
+    ramp = plan_of(*SMALL, "--max-steps", "1000", "--grad-accum", "4", "--plan-world-size", "2",
+                   "--batch-warmup-steps", "100", "--batch-warmup-start", "6")  # fmt: skip
+    trained = sum(accum_at(ramp.cfg, s) for s in range(1000))  # 1, 2, 3 micro-batches for 20, 40, 40 steps
+    assert trained == 1000 * 4 - 180 and planner.to_json(ramp)["tokens"] == trained * 4 * 64 * 2
+    assert planner.describe(ramp)[0].endswith(
+        " | 1,000 steps = 2.0M tokens (a batch warm-up from 6 to 16 sequences per rank over the first 100)"
+    )
 
 
 def test_plan_keys_in_toml(tmp_path):
@@ -600,6 +604,7 @@ def test_plan_gpu_sizes_say_what_they_mean_and_names_suggest_a_card():
         ),
         (("--plan-world-size", "1000000"), "'plan_world_size' must be in [1, 256], got 1000000"),
         (("--plan-gpu", "9" * 400), "is larger than any card (4,096 GiB at most)"),
+        (("--plan-gpu", "5090"), "'5090' is larger than any card (4,096 GiB at most): give one of h100-80, h200, "),
         (("--plan-gpu", "0GiB", "--device", "cpu"), "'plan_gpu' = '0GiB' holds no more than the CUDA context"),
         (("--micro-batch", "auto"), "needs a card to fit and this machine has no GPU: give --plan-gpu"),
         (
@@ -616,6 +621,7 @@ def test_plan_gpu_sizes_say_what_they_mean_and_names_suggest_a_card():
         "world-size-2**63",
         "world-size-1e6",
         "400-digit-card",
+        "a-model-number-read-as-GiB",
         "no-memory-on-cpu",
         "auto-without-card",
         "json-path",
@@ -653,6 +659,36 @@ def test_training_with_micro_batch_auto(tiny_data, tmp_path, capsys):
     assert "1,024 tokens/step (32 x 32 x 1 accum" in stdout
     assert "micro_batch = 32\ngrad_accum = 1\n" in (out / "config.toml").read_text()
     assert len(read_metrics(out)) == 2
+
+
+def test_micro_batch_auto_takes_none_larger_than_a_batch_warmups_first_step():
+    """64 sequences (the preset's 16 x 4) fit one micro-batch of an 80 GiB card, but the ramp starts
+    at one configured micro-batch, 16 sequences: auto takes 16 x 4, and the ramp runs 1 -> 4."""
+    flags = ("--preset", "tiny", "--vocab-size", "512", "--seq-len", "64", "--micro-batch", "auto")
+    cli, config_file = parse_args([*flags, "--grad-accum", "4", "--batch-warmup-steps", "10"])
+    cfg, target = planner.planned_config(cli, config_file)
+    chosen, why = fit.fit_micro_batch(cfg, target, 1, gpus.card("80GiB"))
+    assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (16, 4)
+    assert [accum_at(chosen.cfg, s) for s in (0, 4, 10)] == [1, 2, 4]
+    assert "the batch warm-up's first step (16 sequences, --batch-warmup-start) set the limit" in why
+
+
+@pytest.mark.slow  # a training run
+def test_micro_batch_auto_keeps_a_batch_warmup(tiny_data, tmp_path, capsys):
+    """The ramp is in sequences: from one configured micro-batch (the CPU profile's 16) to 32. auto,
+    which alone would take all 32 in one micro-batch, takes none larger than the ramp's first step,
+    and the run trains it: 1, 1, then 2 micro-batches of 16."""
+    out = tmp_path / "run"
+    code, stdout, err = run_main(train.main, [
+        "--device", "cpu", "--data", str(tiny_data), "--out", str(out), "--preset", "tiny", "--seq-len", "32",
+        "--micro-batch", "auto", "--grad-accum", "2", "--batch-warmup-steps", "2", "--max-steps", "3",
+        "--log-every", "1", "--eval-every", "3", "--eval-tokens", "256", "--plan-gpu", "64GiB",
+    ], capsys)  # fmt: skip
+    assert code == 0, err
+    assert "micro-batch auto: 16 x 2 accum = 32 sequences/step; the batch warm-up's first step (16 sequences" in stdout
+    assert "3 steps = 2,048 tokens (a batch warm-up from 16 to 32 sequences per rank over the first 2)" in stdout
+    assert [r["tokens"] for r in read_metrics(out) if "loss" in r] == [512, 1024, 2048]
+    assert "micro_batch = 16\ngrad_accum = 2\n" in (out / "config.toml").read_text()
 
 
 # ---- a deep model: identical blocks traced twice, not once per block

@@ -9,14 +9,19 @@ that makes big writes fail like a full disk (EFBIG, also for root).
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import random
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,8 +41,10 @@ from conftest import (
     tiny_args,
     train_refuses,
 )
-from fastpt import checkpoint, metrics, train
+from fastpt import checkpoint, files, metrics, train
+from fastpt.config import FIELD_TYPES, FIELDS
 from fastpt.data.shards import write_shard
+from fastpt.errors import ELSEWHERE
 
 
 def run_faulty(fault: str, at: int | str, *args: str) -> subprocess.CompletedProcess:
@@ -252,26 +259,53 @@ BAD_ARGS = {
         "command line: unrecognized argument '--max-stpes' (did you mean '--max-steps'?)",
     ),
     "bad flag value": (["--lr", "fast"], "command line: argument --lr: invalid float value: 'fast'"),
-    "zero lr": (["--lr", "0"], "'lr' must be > 0, got 0.0"),
-    "negative lr": (["--lr", "-0.001"], "'lr' must be > 0, got -0.001"),
+    "zero lr": (["--lr", "0"], "'lr' must be in (0, 10], got 0.0"),
+    "negative lr": (["--lr", "-0.001"], "'lr' must be in (0, 10], got -0.001"),
     "warmup > max_steps": (["--warmup-steps", "20"], "'warmup_steps' (20) is larger than 'max_steps' (10)"),
-    "zero micro-batch": (["--micro-batch", "0"], "'micro_batch' must be > 0, got 0"),
+    "zero micro-batch": (["--micro-batch", "0"], "'micro_batch' must be in [1, 65_536], got 0"),
     "fp16 on cpu": (["--dtype", "fp16"], "'dtype' = 'fp16' needs a CUDA device (got cpu)"),
     "seq_len > data": (["--seq-len", "100000"], "seq_len 100000 is longer than the data"),
-    "nan lr": (["--lr", "nan"], "'lr' must be > 0 (a finite number), got nan"),
-    "inf lr": (["--lr", "inf"], "'lr' must be > 0 (a finite number), got inf"),
+    "nan lr": (["--lr", "nan"], "'lr' must be in (0, 10] (a finite number), got nan"),
+    "inf lr": (["--lr", "inf"], "'lr' must be in (0, 10] (a finite number), got inf"),
     "beta1 1.5": (["--beta1", "1.5"], "'beta1' must be in [0, 1), got 1.5"),
-    "negative seed": (["--seed", "-1"], "'seed' must be in [0, 4294967295], got -1"),
+    "negative seed": (["--seed", "-1"], "'seed' must be in [0, 4_294_967_295], got -1"),
     "floor above peak": (["--min-lr-ratio", "2"], "'min_lr_ratio' must be in [0, 1], got 2.0"),
-    "zero eps": (["--eps", "0"], "'eps' must be > 0, got 0.0"),
-    "negative clip": (["--max-grad-norm", "-1"], "'max_grad_norm' must be >= 0, got -1.0"),
-    "zero eval tokens": (["--eval-tokens", "0"], "'eval_tokens' must be > 0, got 0"),
+    "zero eps": (["--eps", "0"], "'eps' must be in (0, 1], got 0.0"),
+    "negative clip": (["--max-grad-norm", "-1"], "'max_grad_norm' must be in [0, 1_000_000], got -1.0"),
+    "zero eval tokens": (["--eval-tokens", "0"], "'eval_tokens' must be in [1, 1_000_000_000_000], got 0"),
+    # issue 55: values past a flag's range that overflowed fp32, a float or the machine once accepted
+    "a softcap past fp32 (NaN losses)": (
+        ["--logit-softcap", "1e39"],
+        "'logit_softcap' must be 0 (off) or in [1, 1000], got 1e+39",
+    ),
+    "a softcap that rounds to 0 in fp32": (["--logit-softcap", "1e-50"], "'logit_softcap' must be 0 (off) or in"),
+    "a Muon LR past fp32 (a traceback)": (
+        ["--optimizer", "muon", "--muon-lr", "1e39"],
+        "'muon_lr' must be in (0, 10], got 1e+39",
+    ),
+    "a weight decay past fp32": (["--weight-decay", "1e39"], "'weight_decay' must be in [0, 10], got 1e+39"),
+    "a z-loss past fp32": (["--z-loss", "1e39"], "'z_loss' must be in [0, 1], got 1e+39"),
+    "steps past a float (a traceback)": (
+        ["--max-steps", "1" + "0" * 400],
+        "'max_steps' must be in [1, 1_000_000_000_000]",
+    ),
+    "a count past a float (a traceback)": (["--keep-checkpoints", "1" + "0" * 400], "'keep_checkpoints' must be in"),
+    "a micro-batch that filled the memory": (
+        ["--micro-batch", "100000000"],
+        "'micro_batch' must be in [1, 65_536], got 100000000",
+    ),
+    "a sequence past max_seq_len's bound": (["--seq-len", "1" + "0" * 400], "'seq_len' must be in [0, 1_048_576]"),
+    "threads past a C int": (["--threads", str(2**31)], "'threads' must be in [0, 2_147_483_647], got 2147483648"),
     "bad choice": (["--decay-rule", "all"], "'decay_rule' = 'all' is not one of 'ndim', 'strict'"),
     "another trainer's dtype": (
         ["--dtype", "bfloat16"],
         "'dtype' = 'bfloat16' is not one of 'bf16', 'fp16', 'fp32' (did you mean 'bf16'?)",
     ),
     "float32": (["--dtype", "float32"], "(did you mean 'fp32'?)"),
+    "another command's flag": (
+        ["--tokenizer", "bpe"],
+        "unrecognized argument '--tokenizer' (a flag of python -m fastpt.prepare, which makes the folder that --data",
+    ),
     "another trainer's flag": (
         ["--learning-rate", "1e-3"],
         "unrecognized argument '--learning-rate' (did you mean '--lr'?)",
@@ -308,6 +342,29 @@ def test_bad_argument_is_one_line(case, tiny_data, tmp_path, capsys):
     train_refuses(capsys, base_args(tiny_data, tmp_path) + extra, expected)
 
 
+def test_every_numeric_setting_has_a_finite_range():
+    """issue 55: a flag without a ceiling took 1e39 (a NaN loss, a traceback) or a 400-digit number (a
+    traceback). The shape keys' bounds are ModelConfig.check's (MAX_PARAMS, MAX_SEQ_LEN), which
+    --init-from's and a checkpoint's shapes meet too."""
+    unbounded = [
+        name
+        for name, f in FIELDS.items()
+        if FIELD_TYPES[name] in (int, float)
+        and f.default is not None
+        and not (f.metadata["domain"] and math.isfinite(f.metadata["domain"].high))
+    ]
+    assert unbounded == []
+
+
+def test_another_commands_flags_are_its_own(capsys):
+    """Each flag fastpt.train sends to another command (errors.ELSEWHERE) is that command's, not train's."""
+    for key, command in ELSEWHERE.items():
+        module = importlib.import_module(re.search(r"fastpt\.\w+", command)[0])
+        with pytest.raises(SystemExit):
+            module.parse_args(["--help"])
+        assert f"--{key.replace('_', '-')} " in capsys.readouterr().out and key not in FIELDS, key
+
+
 def test_a_missing_data_folder_names_the_nearest_one(tiny_data, tmp_path, capsys):
     (tmp_path / "data" / "tiny").mkdir(parents=True)
     (tmp_path / "data" / "bpe").mkdir()
@@ -334,6 +391,10 @@ BAD_TOML = {
     "wrong type": ('lr = "fast"\n', "'lr' must be float, got 'fast'"),
     "not TOML": ("lr = = 1\n", "not valid TOML"),
     "binary": ("\x00\xff\xfe garbage", "not valid TOML"),
+    "another command's key": (
+        'tokenizer = "bpe"\n',
+        "unknown config key 'tokenizer' (a flag of python -m fastpt.prepare",
+    ),
     "unknown key": (
         "max_steps = 10\nwarmup_step = 2\n",
         "unknown config key 'warmup_step' (did you mean 'warmup_steps'?)",
@@ -439,13 +500,16 @@ def test_metrics_rewind_is_atomic(tmp_path, monkeypatch):
     def full_disk(*args):
         raise OSError(28, "No space left on device")
 
+    def rewind() -> None:  # as write_run_folder rewrites it
+        files.write_atomic(path, lambda f: f.write(metrics.rewound(path, 4)))
+
     monkeypatch.setattr(os, "replace", full_disk)
     before = path.read_text()
     with pytest.raises(OSError):
-        metrics.rewind(path, 4)
+        rewind()
     assert path.read_text() == before and not list(tmp_path.glob(".*tmp*"))
     monkeypatch.undo()
-    metrics.rewind(path, 4)
+    rewind()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
 
 
@@ -651,6 +715,93 @@ def test_plot_into_a_folder_it_cannot_write_is_one_line(tmp_path, capsys):
         subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
+# ---- output paths that are not regular files: written through, never replaced (issue 55)
+
+
+def plot_to(tmp_path: Path, out: Path, capsys) -> None:
+    from fastpt import plot
+
+    (tmp_path / "metrics.jsonl").write_text(train_record(1) + "\n" + train_record(2) + "\n")
+    code, _, err = run_main(plot.main, [str(tmp_path), "--out", str(out)], capsys)
+    assert code == 0, err
+
+
+def test_plot_out_a_symlink_to_a_device_writes_through_it_and_keeps_both(tmp_path, capsys):
+    """Replaced atomically, the link would become a regular file (and, as root, a device named
+    directly would be replaced: `--plan-json /dev/full`)."""
+    link = tmp_path / "loss.png"
+    link.symlink_to(os.devnull)
+    plot_to(tmp_path, link, capsys)
+    assert os.readlink(link) == os.devnull and stat.S_ISCHR(os.stat(os.devnull).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["loss.png", "metrics.jsonl"]
+    assert not [name for name in os.listdir("/dev") if name.startswith(".null.tmp")]
+
+
+def test_plot_out_a_fifo_writes_into_it(tmp_path, capsys):
+    fifo = tmp_path / "loss.png"
+    os.mkfifo(fifo)
+    held = os.open(fifo, os.O_RDWR)  # a writer until the plot is done: the reader's open never waits
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    try:
+        plot_to(tmp_path, fifo, capsys)
+    finally:
+        os.close(held)  # the reader then reads to the end of what the plot wrote
+        reader.join(30)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert received[0][:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_out_a_symlink_to_a_file_replaces_the_file_and_keeps_the_link(tmp_path, capsys):
+    (tmp_path / "plots").mkdir()
+    target = tmp_path / "plots" / "loss.png"
+    target.write_bytes(b"an earlier plot")
+    (tmp_path / "loss.png").symlink_to(target)
+    plot_to(tmp_path, tmp_path / "loss.png", capsys)
+    assert (tmp_path / "loss.png").is_symlink() and target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path / "plots") == ["loss.png"]
+
+
+@pytest.mark.slow
+def test_plan_json_to_a_link_to_stdout_appends_to_what_stdout_is(tmp_path):
+    """`--plan-json /dev/stdout >> plans.log` (here a link to it, so that a regression replaces a link
+    in tmp_path, never the machine's /dev/stdout): the JSON follows what the log held and the plan's
+    own lines, through the shell's descriptor (opened anew, /dev/stdout would truncate the log)."""
+    link = tmp_path / "plan.json"
+    link.symlink_to("/dev/stdout")
+    log = tmp_path / "plans.log"
+    log.write_text("an earlier plan\n")
+    with open(log, "a") as stdout:
+        result = subprocess.run(
+            [sys.executable, "-m", "fastpt.train", "--plan", *TINY[:4], "--plan-json", str(link)],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+    assert result.returncode == 0, result.stderr
+    assert os.readlink(link) == "/dev/stdout" and sorted(os.listdir(tmp_path)) == ["plan.json", "plans.log"]
+    text = log.read_text()
+    assert text.startswith("an earlier plan\nplan for a CPU run | preset tiny"), text
+    assert json.loads(text[text.index("\n{") :])["fits"] is True
+
+
+def test_prepare_out_a_symlink_to_a_folder_fills_the_folder_and_keeps_the_link(tmp_path):
+    from fastpt.prepare import prepare
+
+    (tmp_path / "input.txt").write_text("a small corpus\n" * 100)
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "data").symlink_to(tmp_path / "disk")
+    for _ in range(2):  # a new dataset, then one replacing it
+        prepare([tmp_path / "input.txt"], tmp_path / "data", "bytes", workers=1, overwrite=True)
+    assert os.readlink(tmp_path / "data") == str(tmp_path / "disk")
+    assert (tmp_path / "disk" / "meta.json").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["data", "disk", "input.txt"]
+
+
 # ---- caches and leftovers
 
 
@@ -679,9 +830,10 @@ def test_a_damaged_or_fooled_token_id_cache_is_recomputed(tmp_path):
 KILLED_REWIND = """
 import os, signal, sys
 from pathlib import Path
-from fastpt import metrics
+from fastpt import files, metrics
 os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)  # the copy is complete, not yet renamed
-metrics.rewind(Path(sys.argv[1]), 4)
+path = Path(sys.argv[1])
+files.write_atomic(path, lambda f: f.write(metrics.rewound(path, 4)))  # as write_run_folder rewrites it
 """
 
 
@@ -724,6 +876,28 @@ def run_command_line(module: str, *args: str, fsize: int = 0) -> subprocess.Comp
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_a_resume_refused_by_a_file_size_limit_changes_nothing_in_the_run_folder(bpe_data, tmp_path):
+    """`ulimit -f 1` (issue 55): the resume's writes fail (EFBIG), and it stops before training. The run
+    folder's tokenizer.json (a BPE's, 21 KB: it was cut at 1 KiB, copied in place), metrics.jsonl and
+    config.toml are as they were, no temporary file is left, and the next resume, without the limit, runs."""
+    run_dir = tmp_path / "run"
+    args = tiny_args(bpe_data, run_dir, max_steps=4, ckpt_every=2, log_every=1)
+    assert run_train(*args, "--max-steps", "2").returncode == 0
+    before = folder_bytes(run_dir)
+    assert before["tokenizer.json"] == (bpe_data / "tokenizer.json").read_bytes()
+    assert len(before["tokenizer.json"]) > 1024  # the limit falls inside it
+    limited = run_command_line("train", *args, "--resume", fsize=1024)
+    said = f"'out' = '{run_dir}': cannot write the run folder (File too large)"
+    assert_one_line_error(limited.returncode, limited.stderr, said)
+    after = folder_bytes(run_dir)
+    assert after.pop(".lock") and before.pop(".lock")  # each trainer writes its pid there
+    assert after == before
+    resumed = run_train(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def big_corpus(tmp_path: Path) -> Path:

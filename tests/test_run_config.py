@@ -44,14 +44,14 @@ def run_dir(finished, tmp_path) -> Path:
 
 
 def test_a_resume_refused_by_a_read_only_folder_leaves_config_toml_as_it_was(run_dir, tiny_data, capsys, monkeypatch):
-    """The run folder refuses a write (copying the tokenizer in): the resume stops with one line, and
-    config.toml still says the old max_steps (root writes anywhere, so the refusal is patched in)."""
+    """The run folder refuses a write (of its tokenizer, metrics and config): the resume stops with one
+    line, and config.toml still says the old max_steps (root writes anywhere, so the refusal is patched in)."""
     before = (run_dir / "config.toml").read_text()
 
     def read_only(*args: object) -> None:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(metrics, "copy_for_run", read_only)
+    monkeypatch.setattr(metrics, "write_atomic_all", read_only)
     code, _, err = run_main(train.main, short_run(tiny_data, run_dir, "--resume", max_steps=4), capsys)
     assert_one_line_error(code, err, "cannot write the run folder", "Permission denied")
     assert (run_dir / "config.toml").read_text() == before

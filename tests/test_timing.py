@@ -182,6 +182,52 @@ def test_mfu_is_the_models_whatever_the_kernels():
     assert steps[0].hfu > 0 and steps[0].seconds != steps[1].seconds
 
 
+def model_and_kernel_flops(plan: planner.Plan) -> tuple[float, float, float]:
+    """One GPU's step: MFU's numerator (the model's FLOPs), what its forward and backward kernels do
+    (the optimizer's Newton-Schulz and clipping left out), and its attention forwards' FLOPs."""
+    log = plan.kernels
+    ops = [o for o in log.sequence() if o.phase != "optimizer"]
+    attention = sum(o.cost.flops for o in ops if o.cost.kind == "attention" and not o.cost.backward)
+    return log.flops_per_token * log.tokens / log.world_size, sum(o.cost.flops for o in ops), attention
+
+
+def check_hfu_covers_mfu(plan: planner.Plan, recomputed: bool) -> None:
+    """HFU >= MFU; without activation checkpointing the kernels do exactly the model's FLOPs (norm
+    scales aside) plus FlashAttention's backward recomputing the causal scores (half a forward)."""
+    step = plan.step_time()
+    model, kernels, attention = model_and_kernel_flops(plan)
+    assert step.hfu >= step.mfu and kernels >= model
+    if not recomputed:
+        assert kernels - attention / 2 == pytest.approx(model, rel=5e-3)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        (),
+        ("--recipe", "modern"),
+        ("--recipe", "modern-relu2"),
+        ("--recipe", "modern-softcap"),
+        ("--recipe", "modern-unet"),
+        ("--activation-checkpointing", "full"),
+        ("--recipe", "modern", "--activation-checkpointing", "selective"),
+    ],
+    ids=lambda f: " ".join(f) or "seed",
+)
+def test_hfu_is_at_least_mfu_and_mfu_counts_the_kernels_matmuls(flags):
+    """MFU's numerator (ModelConfig.flops_per_token) is no more than the step's kernels do: an untied
+    input embedding (modern's) is a lookup, not a matmul, and causal attention does half the scores."""
+    check_hfu_covers_mfu(plan_of(*TINY, *flags, "--plan-gpu", "h100-80"), "--activation-checkpointing" in flags)
+
+
+@pytest.mark.slow  # ~50 s of traces
+@pytest.mark.parametrize("preset", ["0.04b", "0.1b", "0.35b", "1b"])
+def test_hfu_is_at_least_mfu_on_every_preset(preset):
+    for flags in ((), ("--recipe", "modern"), ("--activation-checkpointing", "full")):
+        plan = plan_of("--preset", preset, *flags, "--plan-gpu", "h100-80")
+        check_hfu_covers_mfu(plan, "--activation-checkpointing" in flags)
+
+
 def test_a_batch_warmup_is_priced_at_the_micro_batches_its_ramp_trains():
     """The first 100 of 1,000 steps ramp 1 -> 4 micro-batches: the same full step, but the run is
     priced without the forward and backward of the micro-batches the ramp leaves out, and says so."""
@@ -194,7 +240,7 @@ def test_a_batch_warmup_is_priced_at_the_micro_batches_its_ramp_trains():
     assert planner.to_json(full)["run_s"] == pytest.approx(1000 * step.seconds)
     assert planner.to_json(ramp)["run_s"] == pytest.approx(1000 * step.seconds - left_out * per_micro)
     line = next(line for line in planner.describe(ramp) if line.startswith("  1,000 steps"))
-    assert "(the first 100 ramping 1 -> 4 micro-batches: " in line and " ms a step on average)" in line
+    assert "(the first 100 ramping 4 -> 16 sequences per rank: " in line and " ms a step on average)" in line
 
 
 def test_no_printed_figure_rounds_to_zero():
@@ -215,9 +261,11 @@ def test_the_plan_prices_the_run_and_names_its_link():
     assert "on 2 GPUs" in line and " per GPU-hour" in line and "link assumed: PCIe 4.0 x16" in line
 
 
-def test_a_negative_price_is_refused():
-    cli, config_file = parse_args([*TINY, "--plan-price", "-1", "--plan-gpu", "h100-80"])
-    with pytest.raises(ConfigError, match="'plan_price' must be >= 0, got -1.0"):
+@pytest.mark.parametrize("price", ["-1", "1e308"])
+def test_a_price_out_of_range_is_refused(price):
+    """A negative price, or one so large the run cost $inf (issue 55)."""
+    cli, config_file = parse_args([*TINY, "--plan-price", price, "--plan-gpu", "h100-80"])
+    with pytest.raises(ConfigError, match=re.escape(f"'plan_price' must be in [0, 1000], got {float(price)}")):
         planner.planned_config(cli, config_file)
 
 

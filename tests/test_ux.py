@@ -126,6 +126,8 @@ def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsy
     [
         (["--temperature", "nan"], "--temperature"),
         (["--temperature", "-1"], "--temperature"),
+        (["--temperature", "1e-300"], "'--temperature' must be 0 (off) or in [0.01, 100], got 1e-300"),  # issue 55
+        (["--max-new-tokens", "1" + "0" * 400], "'--max-new-tokens' must be in [1, 1_000_000_000_000]"),
         (["--top-k", "-1"], "--top-k"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
         (["--num-samples", "0"], "--num-samples"),

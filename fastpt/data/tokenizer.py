@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import pickle
 import re
-import shutil
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,8 +26,12 @@ DOC_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", EOT, "<|end_of_text|>", "</s>
 KINDS = "bpe, bytes, char, a tokenizer.json (file or folder), hf:NAME or tiktoken:NAME"
 
 
+def _json(config: dict) -> bytes:
+    return json.dumps(config, ensure_ascii=False).encode()
+
+
 def _save_json(path: Path, config: dict) -> None:
-    path.write_text(json.dumps(config, ensure_ascii=False))
+    path.write_bytes(_json(config))
 
 
 class ByteTokenizer:
@@ -82,8 +85,11 @@ class CharTokenizer:
     def token_bytes(self) -> list[int]:
         return [len(c.encode("utf-8")) for c in self.chars] + [0] * (self.eot_id is not None)
 
+    def config(self) -> dict:
+        return {"type": "char", "chars": self.chars, "eot": self.eot_id is not None}
+
     def save(self, path: Path) -> None:
-        _save_json(path, {"type": "char", "chars": self.chars, "eot": self.eot_id is not None})
+        _save_json(path, self.config())
 
 
 class HFTokenizer:
@@ -283,16 +289,17 @@ def same_tokenizer(a: Path, b: Path) -> bool:
     return ta.vocab_size == tb.vocab_size and ta.encode_batch([PROBE]) == tb.encode_batch([PROBE])
 
 
-def copy_for_run(data_dir: Path, run_dir: Path) -> None:
-    """Write run_dir/tokenizer.json, what fastpt.sample needs to decode this data: the data's own
-    tokenizer.json; the char vocabulary of nanoGPT's meta.pkl; or, for headerless nanoGPT data
-    without one, GPT-2's (tiktoken), which is what nanoGPT assumes there. Nothing when unknown."""
-    data_dir, run_dir = Path(data_dir), Path(run_dir)
+def run_tokenizer(data_dir: Path) -> bytes | None:
+    """What a run folder's tokenizer.json holds, what fastpt.sample needs to decode this data: the
+    data's own tokenizer.json; the char vocabulary of nanoGPT's meta.pkl; or, for headerless nanoGPT
+    data without one, GPT-2's (tiktoken), which is what nanoGPT assumes there. None when unknown.
+    (The run writes it with its other files, atomically: metrics.write_run_folder.)"""
+    data_dir = Path(data_dir)
     if (data_dir / "tokenizer.json").is_file():
-        shutil.copyfile(data_dir / "tokenizer.json", run_dir / "tokenizer.json")
-    elif (data_dir / "meta.pkl").is_file():
+        return (data_dir / "tokenizer.json").read_bytes()
+    if (data_dir / "meta.pkl").is_file():
         meta = read_nanogpt_meta(data_dir / "meta.pkl")
-        if "itos" in meta:
-            char_tokenizer_from_meta(meta, data_dir / "meta.pkl").save(run_dir / "tokenizer.json")
-    elif (data_dir / "train.bin").is_file():
-        _save_json(run_dir / "tokenizer.json", {"type": "tiktoken", "name": "gpt2"})
+        return _json(char_tokenizer_from_meta(meta, data_dir / "meta.pkl").config()) if "itos" in meta else None
+    if (data_dir / "train.bin").is_file():
+        return _json({"type": "tiktoken", "name": "gpt2"})
+    return None

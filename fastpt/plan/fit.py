@@ -11,13 +11,12 @@ import os
 import sys
 from pathlib import Path
 
-from fastpt.config import AUTO, CPU_PROFILE, TrainConfig, load_toml
+from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
-from fastpt.files import os_reason, write_atomic
+from fastpt.files import os_reason, write_output
 from fastpt.plan.gpus import GIB, GPUS, MIB, Card, card, machine_card
 from fastpt.plan.planner import Plan, describe, fit_margin, gib, planned_config, to_json, trace, unmodelled
 from fastpt.plan.progress import progress
-from fastpt.presets import PRESET_BATCH
 
 # --micro-batch auto leaves a fraction of the card free: the plan's error band and the CUDA
 # context's spread (planner.fit_margin), 5% eager, 12% compiled.
@@ -30,21 +29,20 @@ FIT_MARGIN = fit_margin(compiled=False)
 def config_sequences(cfg: TrainConfig) -> int:
     """Sequences per optimizer step and rank that the config asks for: its micro-batch (the preset's,
     or the CPU profile's, when it says auto) x grad_accum."""
-    micro = cfg.micro_batch
-    if micro == AUTO:
-        micro = CPU_PROFILE["micro_batch"] if cfg.device == "cpu" else PRESET_BATCH.get(cfg.preset, (16, 0))[0]
-    return micro * cfg.grad_accum
+    return configured_micro_batch(cfg) * cfg.grad_accum
 
 
 def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | None) -> tuple[Plan, str]:
     """The largest micro-batch whose plan fits the card with fit_margin free that divides the
     config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
     under half the largest that fits, that one with the nearest above; the plan at it, and what it
-    chose. The card's need is about linear in the micro-batch: plans at 1 and at 4 place the first
-    guess, then the number of micro-steps moves by one until the fit is tight."""
+    chose. Under a batch warm-up none larger than its first step's sequences (it trains whole
+    micro-batches). The card's need is about linear in the micro-batch: plans at 1 and at 4 place
+    the first guess, then the number of micro-steps moves by one until the fit is tight."""
     if gpu is None:
         raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
     sequences = config_sequences(cfg)
+    most = cfg.batch_warmup_start if cfg.batch_warmup_steps else sequences
     plans: dict[int, Plan] = {}
 
     def plan_at(micro: int) -> Plan:  # the plan at `micro`, with the fewest micro-steps that hold the sequences
@@ -63,9 +61,9 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
             f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
         )
     # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
-    candidates = sorted({-(-sequences // accum) for accum in range(1, sequences + 1)})
+    candidates = sorted(m for m in {-(-sequences // accum) for accum in range(1, sequences + 1)} if m <= most)
     accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
-    i = candidates.index(-(-sequences // accum))
+    i = candidates.index(-(-sequences // max(accum, -(-sequences // most))))
     while i + 1 < len(candidates) and fits(candidates[i + 1]):
         i += 1
     while i > 0 and not fits(candidates[i]):
@@ -73,7 +71,8 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
     largest = candidates[i]
     micro = exact_micro_batch(largest, sequences)
     best = plan_at(micro) if fits(micro) else plan_at(largest)
-    return best, chosen_line(best, sequences, largest, world_size)
+    capped = most < sequences and largest == candidates[-1]  # the warm-up's first step, not the card, set it
+    return best, chosen_line(best, sequences, largest, world_size, most if capped else 0)
 
 
 def reshards(cfg: TrainConfig, world_size: int) -> bool | None:
@@ -176,13 +175,19 @@ def exact_micro_batch(largest: int, sequences: int) -> int:
     return divisor if 2 * divisor >= largest else largest
 
 
-def chosen_line(best: Plan, sequences: int, largest: int, world_size: int) -> str:
-    """What --micro-batch auto chose and what set it: the card, or the sequences per step."""
+def chosen_line(best: Plan, sequences: int, largest: int, world_size: int, ramp_start: int = 0) -> str:
+    """What --micro-batch auto chose and what set it: the card, the sequences per step, or (ramp_start)
+    the batch warm-up's first step."""
     micro, accum, gpu = best.cfg.micro_batch, best.cfg.grad_accum, best.card
     per_rank = f" per rank (global batch {micro * accum * world_size} sequences)" if world_size > 1 else ""
     line = f"micro-batch auto: {micro} x {accum} accum = {micro * accum} sequences/step{per_rank}"
     if micro * accum != sequences:
         line += f", the nearest above the config's {sequences} (no divisor of it near {largest} fits)"
+    if ramp_start:
+        return line + (
+            f"; the batch warm-up's first step ({ramp_start} sequences, --batch-warmup-start) set the limit: "
+            f"a step trains whole micro-batches ({gpu}: {gib(best.card_bytes)} planned)"
+        )
     if micro == sequences:
         spare = gpu.usable - best.card_bytes
         return line + f"; the sequences per step set the limit, not {gpu} ({gib(spare)} to spare)"
@@ -231,22 +236,27 @@ def main(cli: dict, config_file: str | None) -> int:
     if cfg.plan_json:
         text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
         try:
-            write_atomic(Path(cfg.plan_json), lambda f: f.write(text.encode()))
+            write_output(cfg.plan_json, lambda f: f.write(text.encode()))
+        except BrokenPipeError:  # `--plan-json /dev/stdout | head`: the reader has what it wanted (run_command)
+            raise
         except OSError as e:
             raise ConfigError(f"'plan_json' = {cfg.plan_json!r}: cannot write it ({os_reason(e)})") from None
     return 0
 
 
-def auto_micro_batch(cfg: TrainConfig) -> tuple[TrainConfig, str]:
+def auto_micro_batch(cfg: TrainConfig, kernels: str | None = None) -> tuple[TrainConfig, str]:
     """A run's --micro-batch auto, before it starts: the config with the chosen micro-batch and
-    grad_accum, and the line that says why (unchanged and '' without auto)."""
+    grad_accum, and the line that says why (unchanged and '' without auto). `kernels`, the backend
+    in effect (the reference's after a kernel failed its check: its loss materializes the logits),
+    is what the plan traces; the config keeps the --kernels asked for."""
     if cfg.micro_batch != AUTO:
         return cfg, ""
     gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    planned = dataclasses.replace(cfg, kernels=kernels or cfg.kernels)
     with progress.running():
         progress.task("micro-batch auto")
-        plan, why = fit_micro_batch_fsdp(cfg, cfg.device, world_size, gpu)
+        plan, why = fit_micro_batch_fsdp(planned, cfg.device, world_size, gpu)
     if warning := unmodelled(plan):
         print(warning, file=sys.stderr, flush=True)
     chosen = dict(micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum)

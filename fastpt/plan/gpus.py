@@ -84,7 +84,10 @@ def card(spec: str) -> Card | None:
                 "give the card's memory, such as 24GiB"
             )
         if size > LARGEST_CARD:
-            raise ConfigError(f"'plan_gpu' = {spec!r} is larger than any card ({LARGEST_CARD // GIB:,} GiB at most)")
+            raise ConfigError(  # a model number (5090) read as GiB: say which cards there are
+                f"'plan_gpu' = {spec!r} is larger than any card ({LARGEST_CARD // GIB:,} GiB at most): give one of "
+                f"{', '.join(GPUS)}, or the card's memory, such as 32GiB"
+            )
         return Card("a card", int(size))
     raise ConfigError(
         f"'plan_gpu' = {spec!r} is not a card: one of {', '.join(GPUS)}, or a size such as 24GiB"

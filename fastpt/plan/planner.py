@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fastpt import distributed, kernels, muon
+from fastpt import distributed, muon
 from fastpt.checkpoint import resumed_model
 from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, check_runtime, resolve
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
 from fastpt.hf import from_hf_config, is_hf_dir, not_hf_dir, read_json
+from fastpt.kernels import api as kernels
 from fastpt.plan import depth, report, timing, torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
 from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, cublas_workspaces, scratch_table, speed_of
@@ -254,7 +255,7 @@ def trace_model(cfg: TrainConfig, target: str, world_size: int, mcfg: ModelConfi
         cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
         with timing.KernelTrace(mem, cuda_graphs, muon.ns_dtype(torch.device(target))) as timed:
             trace_steps(mem, step, net.raw, net.optimizers, target)
-        params, flops_per_token = net.raw.num_params(), net.raw.flops_per_token(seq_len)
+        params, flops_per_token = net.raw.num_params(), net.raw.cfg.flops_per_token(seq_len)
         groups = muon_groups(net.optimizers, muon.ns_dtype(torch.device(target))) if ddp else []
     for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
         life.nbytes = 0 if life.kind == "gradients" else life.nbytes

@@ -66,7 +66,10 @@ def tokens_text(cfg: TrainConfig, seq_len: int, world_size: int) -> str:
     """'10,000 steps x 65,536 tokens = 655.4M tokens'."""
     total = tokens(run_tokens(cfg, seq_len, world_size))
     if cfg.batch_warmup_steps:
-        return f"{cfg.max_steps:,} steps = {total} tokens (a batch warm-up of {cfg.batch_warmup_steps:,} first)"
+        return (  # as the run's summary says it (metrics.summary)
+            f"{cfg.max_steps:,} steps = {total} tokens (a batch warm-up from {cfg.batch_warmup_start} to "
+            f"{cfg.micro_batch * cfg.grad_accum} sequences per rank over the first {cfg.batch_warmup_steps:,})"
+        )
     per_step = cfg.micro_batch * seq_len * cfg.grad_accum * world_size
     return f"{cfg.max_steps:,} steps x {per_step:,} tokens = {total} tokens"
 
@@ -89,7 +92,8 @@ def run_line(step: StepTime, speed: Speed, cfg: TrainConfig) -> str:
     cost = f" = ${figure(hours * price, 2)} at ${figure(price, 2)} per GPU-hour" if price else ""
     link = f"; link assumed: {speed.link}, {speed.link_gbs:g} GB/s per direction" if step.world_size > 1 else ""
     ramp = (
-        f" (the first {cfg.batch_warmup_steps:,} ramping 1 -> {cfg.grad_accum} micro-batches: "
+        f" (the first {cfg.batch_warmup_steps:,} ramping {cfg.batch_warmup_start} -> "
+        f"{cfg.micro_batch * cfg.grad_accum} sequences per rank: "
         f"{figure(run_seconds(step, cfg) / cfg.max_steps * 1e3)} ms a step on average)"
         if cfg.batch_warmup_steps
         else ""

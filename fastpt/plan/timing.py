@@ -202,7 +202,7 @@ class KernelLog:
     grad_accum: int  # the run's
     world_size: int
     tokens: int  # per optimizer step, all GPUs
-    flops_per_token: float  # the model's (fastpt.model.flops_per_token: MFU's numerator), not the kernels'
+    flops_per_token: float  # the model's (ModelConfig.flops_per_token: MFU's numerator), not the kernels'
     ddp_buckets: list[int] = field(default_factory=list)  # bytes, in the order the backward fills them
     muon_groups: list[tuple[int, int]] = field(default_factory=list)  # DDP: Muon's matrices (count, bytes each)
 
@@ -296,7 +296,7 @@ class StepTime:
     parts: dict[str, float]  # forward, backward, optimizer, communication (exposed), overhead
     tokens: int
     world_size: int
-    mfu: float  # the model's FLOPs per token (fastpt.model.flops_per_token) x tokens / time / bf16 peak
+    mfu: float  # the model's FLOPs per token (ModelConfig.flops_per_token) x tokens / time / bf16 peak
     hfu: float  # every matmul and attention FLOP the kernels do (recompute, Newton-Schulz included) / time / peak
     launches: int
     cpu_seconds: float

@@ -7,6 +7,10 @@ scale * (softmax - onehot), formed in fp32, where `scale` is d(total loss)/d(row
 upstream gradient and the mean's 1/n are folded into the pass that writes the gradient, so no
 backward pays a second pass over the (N, V) gradient. The z-loss coef * lse^2 (PaLM) rides
 along: it adds to the row's loss, and its gradient 2 * coef * lse * softmax to the softmax term.
+A soft-cap (Gemma 2's final_logit_softcapping) replaces each logit x by c = cap * tanh(x / cap) as
+it is loaded, in fp32, in both passes: the loss, the log-sum-exp and so the z-loss are the capped
+logits', and the gradient is the capped one times dc/dx = 1 - tanh(x / cap)^2. The cap is a
+constexpr, 0 = off: the uncapped kernel compiles with none of it.
 Linear + cross-entropy runs both passes in one launch (its logits live for one chunk only); the
 standalone op runs the loss pass in the forward and the gradient pass in the backward.
 """
@@ -20,6 +24,18 @@ import triton.language as tl
 # them per SM on sm_90 with no spill (BLOCK 32768 at 32 warps filled the register file and spilled).
 BLOCK_BYTES = 16384
 THREAD_BYTES = 64
+
+
+@triton.jit
+def _soft_cap(x, cap: tl.constexpr):
+    """(cap * tanh(x / cap), its derivative 1 - tanh^2) in fp32, from one exp of a non-positive
+    number: no overflow, and -inf gives (-cap, 0). Written out because Triton's interpreter has no
+    libdevice tanh, so that the tests check the code the GPU runs; the derivative as 4e / (1 + e)^2,
+    which keeps its relative accuracy where 1 - tanh^2 would cancel (saturated logits)."""
+    e = tl.exp(-2.0 / cap * tl.abs(x))
+    r = 1.0 / (1.0 + e)
+    t = 2.0 * r - 1.0  # tanh(|x| / cap)
+    return tl.where(x < 0, -cap * t, cap * t), 4.0 * e * r * r
 
 
 @triton.jit
@@ -43,6 +59,7 @@ def _cross_entropy_kernel(
     WITH_GRAD: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,); int64: rows * stride can pass 2**31
     row_mask = rows < n_rows
@@ -56,6 +73,8 @@ def _cross_entropy_kernel(
             cols = start + tl.arange(0, BLOCK)
             mask = row_mask[:, None] & (cols < row_width)[None, :]
             x = tl.load(row_ptrs + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)  # (ROWS, BLOCK)
+            if SOFTCAP > 0:
+                x, _ = _soft_cap(x, SOFTCAP)
             x = tl.where((cols < n_cols)[None, :], x, float("-inf"))  # the padding past the vocabulary
             m_new = tl.maximum(m, tl.max(x, axis=1))
             # While every logit so far is -inf (masked), m_new is too and exp(m - m_new) would be
@@ -69,6 +88,8 @@ def _cross_entropy_kernel(
         x_y = tl.load(logits_ptr + rows * logits_stride + y, mask=valid & (y >= 0) & (y < n_cols), other=0.0).to(
             tl.float32
         )
+        if SOFTCAP > 0:
+            x_y, _ = _soft_cap(x_y, SOFTCAP)
         z = z_loss * lse * lse
         # Ignored rows still write: a zero loss here, a zero gradient below.
         tl.store(loss_ptr + rows, tl.where(valid, lse - x_y + z, 0.0), mask=row_mask)
@@ -84,8 +105,12 @@ def _cross_entropy_kernel(
             cols = start + tl.arange(0, BLOCK)
             mask = row_mask[:, None] & (cols < row_width)[None, :]
             x = tl.load(row_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP > 0:
+                x, slope = _soft_cap(x, SOFTCAP)
             # p_y - 1 is formed in fp32: rounding p_y first would lose the target's gradient.
             g = tl.exp(x - lse[:, None]) * p_scale[:, None] - tl.where(cols[None, :] == y[:, None], scale[:, None], 0.0)
+            if SOFTCAP > 0:
+                g *= slope  # through the cap
             # Zero on ignored rows (one of -inf logits would give exp(nan) * 0 = nan) and on the padding.
             g = tl.where(valid[:, None] & (cols < n_cols)[None, :], g, 0.0)
             tl.store(grad_ptrs + cols[None, :], g.to(grad_ptr.dtype.element_ty), mask=mask)
@@ -99,7 +124,7 @@ def launch_plan(n_cols: int, element_size: int) -> tuple[int, int, int]:
     return rows, block, warps
 
 
-def _launch(logits, target, ignore_index, z_loss, lse, loss, z, grad, scale, row_width) -> None:
+def _launch(logits, target, ignore_index, z_loss, softcap, lse, loss, z, grad, scale, row_width) -> None:
     n_rows, n_cols = logits.shape
     assert logits.stride(1) == 1 and (grad is None or grad.stride(1) == 1) and (row_width or n_cols) >= n_cols
     rows, block, warps = launch_plan(n_cols, logits.element_size())
@@ -125,6 +150,7 @@ def _launch(logits, target, ignore_index, z_loss, lse, loss, z, grad, scale, row
         WITH_GRAD=with_grad,
         ROWS=rows,
         BLOCK=block,
+        SOFTCAP=float(softcap),
         num_warps=warps,
     )
 
@@ -137,6 +163,7 @@ def cross_entropy_forward(
     grad: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
     row_width: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row fp32 losses of logits (N, V), z-loss included, the z-loss terms alone (both 0 on
     ignored rows) and the rows' log-sum-exp.
@@ -145,11 +172,12 @@ def cross_entropy_forward(
     into it in the same launch; grad_scale is a 0-dim or (N,) tensor, and ignored rows get a zero gradient.
     row_width (default V) is how many elements each row of logits and grad holds in memory: the kernel
     reads and writes (zeros) up to there, so a row width that is a multiple of 16 while V is not
-    keeps the masks, and so the loads and stores, 128-bit.
+    keeps the masks, and so the loads and stores, 128-bit. softcap > 0 caps the logits first
+    (softcap * tanh(logits / softcap)); the log-sum-exp returned is the capped logits'.
     """
     loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     z, lse = torch.empty_like(loss), torch.empty_like(loss)
-    _launch(logits, target, ignore_index, z_loss, lse, loss, z, grad, grad_scale, row_width)
+    _launch(logits, target, ignore_index, z_loss, softcap, lse, loss, z, grad, grad_scale, row_width)
     return loss, z, lse
 
 
@@ -161,7 +189,8 @@ def cross_entropy_backward(
     ignore_index: int,
     z_loss: float,
     grad: torch.Tensor,
+    softcap: float = 0.0,
 ) -> None:
     """grad[row] = grad_scale[row] * dloss_row/dlogits from the forward's log-sum-exp: one pass over
-    logits (N, V) that writes grad (N, V), which may be `logits` itself."""
-    _launch(logits, target, ignore_index, z_loss, lse, None, None, grad, grad_scale, None)
+    logits (N, V) that writes grad (N, V), which may be `logits` itself; softcap as the forward had it."""
+    _launch(logits, target, ignore_index, z_loss, softcap, lse, None, None, grad, grad_scale, None)

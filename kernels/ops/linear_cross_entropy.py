@@ -62,12 +62,14 @@ def linear_cross_entropy_forward(
     compute_dtype: torch.dtype,
     z_loss: float = 0.0,
     grad_scale: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-row fp32 losses of (input @ weight.T) against target, z-loss included, and the z-loss
     terms alone; input (N, D), weight (V, D).
 
     With grad_scale (0-dim or (N,)), also returns d(sum_i grad_scale[i] * loss_i) with respect to
     input (in its dtype) and weight (in fp32); otherwise None for both. Matmuls run in compute_dtype.
+    softcap > 0: the loss of the logits softcap * tanh(logits / softcap), capped inside the kernel.
     """
     n_rows, n_cols = input.shape[0], weight.shape[0]
     w_padded = _padded_rows(weight, compute_dtype, ROW_ALIGN)  # (V rounded up, D): logits rows 128-byte aligned
@@ -86,12 +88,12 @@ def linear_cross_entropy_forward(
         logits = (x @ w_padded.T)[:, :n_cols]  # (chunk, V), row stride V rounded up
         if grad_scale is None:
             loss[rows], z[rows], _ = cross_entropy_forward(
-                logits, target[rows], ignore_index, z_loss, row_width=w_padded.shape[0]
+                logits, target[rows], ignore_index, z_loss, row_width=w_padded.shape[0], softcap=softcap
             )
             continue
         # The gradient overwrites the logits in place.
         loss[rows], z[rows], _ = cross_entropy_forward(
-            logits, target[rows], ignore_index, z_loss, logits, grad_scale[rows], w_padded.shape[0]
+            logits, target[rows], ignore_index, z_loss, logits, grad_scale[rows], w_padded.shape[0], softcap
         )
         dinput[rows] = logits @ w
         _accumulate_mm(dweight, logits.T, x)
