@@ -356,14 +356,19 @@ def card_between(low: planner.Plan, high: planner.Plan) -> str:
 
 def test_micro_batch_auto_picks_the_largest_that_fits():
     """16 sequences per step (the preset's micro-batch x 1); a card that fits micro-batch 8 (x 2
-    accum) but not 16: auto picks 8 x 2, the same tokens per step, and says why."""
+    accum) but not 16: auto picks 8 x 2, the same tokens per step, and says why, from three plans
+    (at 4, for the guess; 16, which does not fit; 8, which does)."""
     flags = ("--preset", "tiny", "--vocab-size", "512", "--seq-len", "128")
     at8 = plan_of(*flags, "--micro-batch", "8", "--grad-accum", "2")
     at16 = plan_of(*flags, "--micro-batch", "16", "--grad-accum", "1")
     cli, config_file = parse_args([*flags, "--micro-batch", "auto", "--grad-accum", "1"])
     cfg, target = planner.planned_config(cli, config_file)
     assert fit.config_sequences(cfg) == 16
-    chosen, why = fit.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at8, at16)))
+    traced = []
+    with pytest.MonkeyPatch.context() as mp:  # one plan places the guess: no plan at 1 while a larger one fits
+        mp.setattr(fit, "trace", lambda cfg, *args: traced.append(cfg.micro_batch) or planner.trace(cfg, *args))
+        chosen, why = fit.fit_micro_batch(cfg, target, 1, gpus.card(card_between(at8, at16)))
+    assert traced == [4, 16, 8]
     assert (chosen.cfg.micro_batch, chosen.cfg.grad_accum) == (8, 2)
     assert chosen.peak.bytes == at8.peak.bytes
     assert "micro-batch auto: 8 x 2 accum = 16 sequences/step; the largest that fits a card of" in why
@@ -466,11 +471,14 @@ def test_own_gpu_is_the_ranks_own_and_its_free_memory(monkeypatch):
 
 
 def test_first_guess_keeps_tokens_or_goes_just_above():
-    """1 GiB per sequence and a limit that holds 22: 64 sequences take 3 micro-steps (of 22)."""
-    one = SimpleNamespace(card_bytes=2**30, cfg=SimpleNamespace(micro_batch=1))
-    probe = SimpleNamespace(card_bytes=4 * 2**30, cfg=SimpleNamespace(micro_batch=4))
-    assert fit.guess_accum(one, probe, 64, 22.6 * 2**30) == 3
-    assert fit.guess_accum(one, probe, 16, 22.6 * 2**30) == 1
+    """A plan at 4 with 4 GiB of activations and transient (1 GiB a sequence) and 0.5 GiB besides,
+    a limit that holds 22: 64 sequences take 3 micro-steps (of 22), 16 sequences one."""
+    parts = {"parameters": 2**29, "activations": 3.5 * 2**30, "transient": 2**29}
+    probe = SimpleNamespace(
+        card_bytes=4.5 * 2**30, peak=SimpleNamespace(parts=parts), cfg=SimpleNamespace(micro_batch=4)
+    )
+    assert fit.guess_accum(probe, 64, 22.6 * 2**30) == 3
+    assert fit.guess_accum(probe, 16, 22.6 * 2**30) == 1
 
 
 # ---- the verdict: fits, at risk, does NOT fit and what would

@@ -37,8 +37,8 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
     config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
     under half the largest that fits, that one with the nearest above; the plan at it, and what it
     chose. Under a batch warm-up none larger than its first step's sequences (it trains whole
-    micro-batches). The card's need is about linear in the micro-batch: plans at 1 and at 4 place
-    the first guess, then the number of micro-steps moves by one until the fit is tight."""
+    micro-batches). The card's need is about linear in the micro-batch: a plan at 4 places the first
+    guess (guess_accum), then the number of micro-steps moves by one until the fit is tight."""
     if gpu is None:
         raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
     sequences = config_sequences(cfg)
@@ -54,20 +54,21 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
 
     margin = fit_margin(cfg.compile)
     fits = lambda micro: plan_at(micro).fits(margin)
-    one = plan_at(1)
-    if not fits(1):
+    # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
+    candidates = sorted(m for m in {-(-sequences // accum) for accum in range(1, sequences + 1)} if m <= most)
+    accum = guess_accum(plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
+    i = candidates.index(-(-sequences // max(accum, -(-sequences // most))))
+    if i > 0 or fits(1):  # a guess of 1 is checked before a larger micro-batch is planned
+        while i + 1 < len(candidates) and fits(candidates[i + 1]):
+            i += 1
+        while i > 0 and not fits(candidates[i]):
+            i -= 1
+    if not fits(candidates[i]):  # i == 0: micro-batch 1
+        one = plan_at(1)
         raise ConfigError(
             f"'micro_batch' = 'auto': even micro-batch 1 does not fit {gpu} ({gib(one.card_bytes)} planned, "
             f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
         )
-    # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
-    candidates = sorted(m for m in {-(-sequences // accum) for accum in range(1, sequences + 1)} if m <= most)
-    accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
-    i = candidates.index(-(-sequences // max(accum, -(-sequences // most))))
-    while i + 1 < len(candidates) and fits(candidates[i + 1]):
-        i += 1
-    while i > 0 and not fits(candidates[i]):
-        i -= 1
     largest = candidates[i]
     micro = exact_micro_batch(largest, sequences)
     best = plan_at(micro) if fits(micro) else plan_at(largest)
@@ -196,10 +197,15 @@ def chosen_line(best: Plan, sequences: int, largest: int, world_size: int, ramp_
     return line + (f"; {largest} fits too, with more sequences per step" if micro != largest else "")
 
 
-def guess_accum(one: Plan, probe: Plan, sequences: int, limit: float) -> int:
-    """The fewest micro-steps whose micro-batch the line through two plans puts under the limit."""
-    per_sequence = max(1.0, (probe.card_bytes - one.card_bytes) / max(1, probe.cfg.micro_batch - 1))
-    most = max(1, min(sequences, 1 + int((limit - one.card_bytes) / per_sequence)))
+def guess_accum(probe: Plan, sequences: int, limit: float) -> int:
+    """The fewest micro-steps whose micro-batch one plan's line puts under the limit: its activations
+    and transient grow with the micro-batch, the rest of what the card needs (parameters, gradients,
+    optimizer state, context) does not. Part of what it counts as growing is fixed (autocast's copies
+    of the weights), so the guess errs low, the cheaper side: a guess one candidate low takes as few
+    plans as the right one (it fits, the next does not), one too high takes one more."""
+    growing = probe.peak.parts["activations"] + probe.peak.parts["transient"]
+    per_sequence = max(1.0, growing / probe.cfg.micro_batch)
+    most = max(1, min(sequences, int((limit - (probe.card_bytes - growing)) / per_sequence)))
     return -(-sequences // most)
 
 
