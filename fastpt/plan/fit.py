@@ -5,8 +5,8 @@ derived margin free, grad_accum the rest) and the --plan command, over planner's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -14,24 +14,12 @@ from pathlib import Path
 from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_output
-from fastpt.plan.gpus import GIB, Card, card, machine_card
-from fastpt.plan.planner import Plan, describe, gib, planned_config, to_json, trace, unmodelled
+from fastpt.plan.gpus import GIB, GPUS, MIB, Card, card, machine_card
+from fastpt.plan.planner import Plan, describe, fit_margin, gib, planned_config, to_json, trace, unmodelled
+from fastpt.plan.progress import progress
 
-# --micro-batch auto leaves a fraction of the card free (fit_margin): the plan's error band
-# (PLAN_ERROR: eager 3% over the 1.4% a checked config was measured above its plan, compiled 10% over
-# 9-10%, on an H200, tests/planned_peaks.json's "measured"), plus what the CUDA context may take
-# beyond its estimate (CONTEXT_SPREAD: 0.6 GiB at most against 0.5 GiB) on the smallest card fastpt
-# plans for (SMALLEST_CARD), rounded up to a whole percent: 5% eager, 12% compiled.
-PLAN_ERROR = {"eager": 0.03, "compiled": 0.10}
-CONTEXT_SPREAD = 0.1 * GIB
-SMALLEST_CARD = 8 * GIB
-
-
-def fit_margin(compiled: bool) -> float:
-    """The fraction of the card --micro-batch auto leaves free (the comment above)."""
-    return math.ceil(100 * (PLAN_ERROR["compiled" if compiled else "eager"] + CONTEXT_SPREAD / SMALLEST_CARD)) / 100
-
-
+# --micro-batch auto leaves a fraction of the card free: the plan's error band and the CUDA
+# context's spread (planner.fit_margin), 5% eager, 12% compiled.
 FIT_MARGIN = fit_margin(compiled=False)
 
 
@@ -49,8 +37,8 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
     config's sequences per step (grad_accum then keeps them exactly), or when every such divisor is
     under half the largest that fits, that one with the nearest above; the plan at it, and what it
     chose. Under a batch warm-up none larger than its first step's sequences (it trains whole
-    micro-batches). The card's need is about linear in the micro-batch: plans at 1 and at 4 place
-    the first guess, then the number of micro-steps moves by one until the fit is tight."""
+    micro-batches). The card's need is about linear in the micro-batch: a plan at 4 places the first
+    guess (guess_accum), then the number of micro-steps moves by one until the fit is tight."""
     if gpu is None:
         raise ConfigError("'micro_batch' = 'auto' needs a card to fit and this machine has no GPU: give --plan-gpu")
     sequences = config_sequences(cfg)
@@ -66,20 +54,21 @@ def fit_micro_batch(cfg: TrainConfig, target: str, world_size: int, gpu: Card | 
 
     margin = fit_margin(cfg.compile)
     fits = lambda micro: plan_at(micro).fits(margin)
-    one = plan_at(1)
-    if not fits(1):
+    # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
+    candidates = sorted(m for m in {-(-sequences // accum) for accum in range(1, sequences + 1)} if m <= most)
+    accum = guess_accum(plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
+    i = candidates.index(-(-sequences // max(accum, -(-sequences // most))))
+    if i > 0 or fits(1):  # a guess of 1 is checked before a larger micro-batch is planned
+        while i + 1 < len(candidates) and fits(candidates[i + 1]):
+            i += 1
+        while i > 0 and not fits(candidates[i]):
+            i -= 1
+    if not fits(candidates[i]):  # i == 0: micro-batch 1
+        one = plan_at(1)
         raise ConfigError(
             f"'micro_batch' = 'auto': even micro-batch 1 does not fit {gpu} ({gib(one.card_bytes)} planned, "
             f"peak {gib(one.peak.bytes)}): use --activation-checkpointing full, or --parallel fsdp over more GPUs"
         )
-    # One micro-batch per number of micro-steps: the fewest sequences each that hold the step's.
-    candidates = sorted(m for m in {-(-sequences // accum) for accum in range(1, sequences + 1)} if m <= most)
-    accum = guess_accum(one, plan_at(min(sequences, 4)), sequences, gpu.usable * (1 - margin))
-    i = candidates.index(-(-sequences // max(accum, -(-sequences // most))))
-    while i + 1 < len(candidates) and fits(candidates[i + 1]):
-        i += 1
-    while i > 0 and not fits(candidates[i]):
-        i -= 1
     largest = candidates[i]
     micro = exact_micro_batch(largest, sequences)
     best = plan_at(micro) if fits(micro) else plan_at(largest)
@@ -114,9 +103,70 @@ def other_gradient_sync(plan: Plan) -> list[str]:
     now = reshards(plan.cfg, plan.world_size)
     if now is None:
         return []
+    progress.task("the other gradient sync (--fsdp-reshard-grads)" if not now else "the other gradient sync")
     other = trace(dataclasses.replace(plan.cfg, fsdp_reshard_grads=not now), plan.target, plan.world_size)
     how = "reduce-scattering at every micro-step (--fsdp-reshard-grads)" if not now else "only at the last micro-step"
     return [f"{how}: peak {gib(other.peak.bytes)}, the card needs {gib(other.card_bytes)}"]
+
+
+# ---- what would fit instead
+
+SHARDED_GPUS = (2, 4, 8)  # FSDP over one host's GPUs, what "does NOT fit" tries
+
+
+def next_steps(plan: Plan) -> list[str]:
+    """For a plan that does not fit its card: the next step that does, each change planned in turn
+    from the least disruptive until one fits with fit_margin free (the same sequences per step in
+    smaller micro-batches; activation checkpointing; FSDP over more GPUs of this card), and on CUDA
+    the smallest named card that holds the plan as it is. [] when the plan fits."""
+    if plan.fits() is not False:
+        return []
+    cfg, cuda, margin = plan.cfg, plan.target == "cuda", fit_margin(plan.cfg.compile)
+    tries = [functools.partial(smaller_micro_batch, plan)]
+    if cfg.activation_checkpointing != "full":
+        tries.append(
+            functools.partial(changed, plan, "--activation-checkpointing full", activation_checkpointing="full")
+        )
+    sharded = [n for n in SHARDED_GPUS if cuda and n > plan.world_size]
+    tries += [functools.partial(changed, plan, f"--parallel fsdp over {n} GPUs", n, parallel="fsdp") for n in sharded]
+    tried = "smaller micro-batches, activation checkpointing" + (
+        f", FSDP over up to {sharded[-1]} GPUs" if sharded else ""
+    )
+    line = next((line for attempt in tries if (line := attempt())), None)  # the first change that fits
+    lines = [line or f"  next: none of {tried} fits {plan.card} with {margin:.0%} free"]
+    if cuda:
+        need = plan.card_bytes / (1 - margin)
+        bigger = sorted((mib, name) for name, mib in GPUS.values() if mib * MIB >= need and mib * MIB > plan.card.total)
+        which = f"the {bigger[0][1]}, {bigger[0][0] * MIB / GIB:.1f} GiB" if bigger else "none that fastpt knows"
+        lines.append(f"  or a card with {gib(need)} (the plan and {margin:.0%} free): {which}")
+    return lines
+
+
+def smaller_micro_batch(plan: Plan) -> str | None:
+    """The same sequences per step in the largest micro-batch that fits (--micro-batch auto's choice), if any."""
+    if plan.cfg.micro_batch == 1:
+        return None
+    progress.task("what would fit: smaller micro-batches, the same sequences per step")
+    try:
+        best, _ = fit_micro_batch(plan.cfg, plan.target, plan.world_size, plan.card)
+    except ConfigError:  # not even micro-batch 1
+        return None
+    micro, accum = best.cfg.micro_batch, best.cfg.grad_accum
+    return (
+        f"  next: --micro-batch {micro} --grad-accum {accum} fits ({micro * accum} sequences per step; "
+        f"{gib(best.card_bytes)} planned; --micro-batch auto finds it)"
+    )
+
+
+def changed(plan: Plan, flags: str, world_size: int = 0, **change) -> str | None:
+    """`flags` (the config `change`d, on world_size GPUs) if its plan fits with fit_margin free."""
+    progress.task(f"what would fit: {flags}")
+    world_size = world_size or plan.world_size
+    other = trace(dataclasses.replace(plan.cfg, **change), plan.target, world_size)
+    other.card = plan.card
+    if not other.fits(fit_margin(plan.cfg.compile)):
+        return None
+    return f"  next: {flags} fits ({gib(other.card_bytes)} planned{' per GPU' if world_size > 1 else ''})"
 
 
 def exact_micro_batch(largest: int, sequences: int) -> int:
@@ -147,10 +197,15 @@ def chosen_line(best: Plan, sequences: int, largest: int, world_size: int, ramp_
     return line + (f"; {largest} fits too, with more sequences per step" if micro != largest else "")
 
 
-def guess_accum(one: Plan, probe: Plan, sequences: int, limit: float) -> int:
-    """The fewest micro-steps whose micro-batch the line through two plans puts under the limit."""
-    per_sequence = max(1.0, (probe.card_bytes - one.card_bytes) / max(1, probe.cfg.micro_batch - 1))
-    most = max(1, min(sequences, 1 + int((limit - one.card_bytes) / per_sequence)))
+def guess_accum(probe: Plan, sequences: int, limit: float) -> int:
+    """The fewest micro-steps whose micro-batch one plan's line puts under the limit: its activations
+    and transient grow with the micro-batch, the rest of what the card needs (parameters, gradients,
+    optimizer state, context) does not. Part of what it counts as growing is fixed (autocast's copies
+    of the weights), so the guess errs low, the cheaper side: a guess one candidate low takes as few
+    plans as the right one (it fits, the next does not), one too high takes one more."""
+    growing = probe.peak.parts["activations"] + probe.peak.parts["transient"]
+    per_sequence = max(1.0, growing / probe.cfg.micro_batch)
+    most = max(1, min(sequences, int((limit - (probe.card_bytes - growing)) / per_sequence)))
     return -(-sequences // most)
 
 
@@ -173,12 +228,14 @@ def main(cli: dict, config_file: str | None) -> int:
         )
     gpu = card(cfg.plan_gpu) if target == "cuda" else machine_card()
     why = ""
-    if cfg.micro_batch == AUTO:
-        plan, why = fit_micro_batch_fsdp(cfg, target, cfg.plan_world_size, gpu)
-    else:
-        plan = trace(cfg, target, cfg.plan_world_size)
-        plan.card = gpu
-    lines = describe(plan) + ([why] if why else []) + other_gradient_sync(plan)
+    with progress.running():
+        if cfg.micro_batch == AUTO:
+            progress.task("micro-batch auto")
+            plan, why = fit_micro_batch_fsdp(cfg, target, cfg.plan_world_size, gpu)
+        else:
+            plan = trace(cfg, target, cfg.plan_world_size)
+            plan.card = gpu
+        lines = describe(plan, next_steps(plan)) + ([why] if why else []) + other_gradient_sync(plan)
     print("\n".join(lines), flush=True)
     if warning := unmodelled(plan):
         print(warning, file=sys.stderr, flush=True)
@@ -203,7 +260,9 @@ def auto_micro_batch(cfg: TrainConfig, kernels: str | None = None) -> tuple[Trai
     gpu = card(cfg.plan_gpu) if cfg.device == "cuda" else machine_card()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     planned = dataclasses.replace(cfg, kernels=kernels or cfg.kernels)
-    plan, why = fit_micro_batch_fsdp(planned, cfg.device, world_size, gpu)
+    with progress.running():
+        progress.task("micro-batch auto")
+        plan, why = fit_micro_batch_fsdp(planned, cfg.device, world_size, gpu)
     if warning := unmodelled(plan):
         print(warning, file=sys.stderr, flush=True)
     chosen = dict(micro_batch=plan.cfg.micro_batch, grad_accum=plan.cfg.grad_accum)

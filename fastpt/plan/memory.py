@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ MIN_LARGE_ALLOC = 10 * 2**20
 ROUND_LARGE = 2 * 2**20
 
 PARTS = ("parameters", "gradients", "optimizer state", "activations", "transient")
+STEP_PHASES = ("forward", "backward", "optimizer")  # a storage's phase: these, or before (it existed) or scratch
 
 
 @dataclass(eq=False, slots=True)
@@ -242,19 +244,32 @@ class MemoryTrace(TorchDispatchMode):
         largest = max(transients, key=lambda life: life.nbytes, default=None)
         return Snapshot(event, parts, largest, self.where(event))
 
-    def where(self, event: int) -> str:
-        """'step 2, micro-step 3, backward' (or 'step 2, optimizer'): the moment of `event`."""
+    def where(self, event: int, phase: str = "") -> str:
+        """'step 2, micro-step 3, backward' (or 'step 2, optimizer'): the moment of `event` (whose
+        phase, when known, is `phase`)."""
         step = bisect.bisect_right(self.steps, event)
-        phase = self._phase_at(event)
+        phase = phase or self._phase_at(event)
         if phase == "optimizer":
             return f"step {step}, optimizer"
         in_step = [s for s in self.backward_starts if s <= event and (step == 0 or s >= self.steps[step - 1])]
         return f"step {step}, micro-step {len(in_step) + (phase == 'forward')}, {phase}"
 
+    def moments(self) -> list[tuple[int, str]]:
+        """Where the moment `where` names may change, in time order: (first event, its phase) at each
+        step's start, each backward's start and each change of phase among the storages made."""
+        changes: list[tuple[int, str]] = []  # (event, phase): where the phase of the storages made changes
+        for life in sorted(self.lives, key=lambda life: life.born):
+            if life.phase in STEP_PHASES and (not changes or life.phase != changes[-1][1]):
+                changes.append((life.born, life.phase))
+        events = [event for event, _ in changes]
+        starts = sorted({0, *self.steps, *self.backward_starts, *events})
+        at = [bisect.bisect_right(events, event) - 1 for event in starts]
+        return [(event, changes[i][1] if i >= 0 else "forward") for event, i in zip(starts, at, strict=True)]
+
     def _phase_at(self, event: int) -> str:
         """The phase of the last storage made by then (scratch and the tensors from before aside)."""
         phases = (life.phase for life in reversed(self.lives) if life.born <= event)
-        return next((p for p in phases if p in ("forward", "backward", "optimizer")), "forward")
+        return next((p for p in phases if p in STEP_PHASES), "forward")
 
 
 class _Paused:
@@ -281,6 +296,18 @@ class Snapshot:
     parts: dict[str, int]
     largest: Life | None  # the largest transient alive
     where: str
+
+
+@dataclass
+class Peak:
+    """A traced step's peak and what was alive then."""
+
+    bytes: int  # what torch.cuda.max_memory_allocated would report (CPU: the allocator's peak)
+    parts: dict[str, int]  # parameters, gradients, optimizer state, activations, transient, ...
+    blocks: int  # the caching allocator's blocks beyond the requests
+    largest: tuple[int, str, tuple[int, ...]] | None  # the largest transient: bytes, op, shape
+    where: str  # 'step 2, micro-step 2, backward'
+    reserved: int  # max_memory_reserved (0 on a CPU)
 
 
 @dataclass(eq=False, slots=True)
@@ -362,22 +389,46 @@ class Replay:
     peak_allocated: int  # max_memory_allocated
     peak_event: int  # the first event at which it was reached
     peak_reserved: int  # max_memory_reserved
+    totals: list[tuple[int, int]] = field(default_factory=list)  # (event, memory_allocated) after each malloc
 
 
 def sweep(lives: list[Life]) -> tuple[int, int]:
     """The most bytes alive at once, and the first event at which they were (no allocator)."""
-    return running_peak([(life.born, life.nbytes) for life in lives] + [(life.died, -life.nbytes) for life in lives])
+    return running_peak(deltas(lives))
+
+
+def deltas(lives: list[Life]) -> list[tuple[float, int]]:
+    """Every life's birth (+bytes) and death (-bytes), by event."""
+    return [(life.born, life.nbytes) for life in lives] + [(life.died, -life.nbytes) for life in lives]
+
+
+def running_totals(deltas: Iterable[tuple[float, int]]) -> Iterator[tuple[float, int]]:
+    """(time, the running total after it) of (time, bytes allocated or, negative, freed), taken in
+    time order (at one time, frees first)."""
+    live = 0
+    for event, delta in sorted(deltas):
+        live += delta
+        yield event, live
 
 
 def running_peak(deltas: Iterable[tuple[float, int]]) -> tuple[int, float]:
-    """The highest running total of (time, bytes allocated or, negative, freed) taken in time order
-    (at one time, frees first), and the time it was first reached."""
-    live = peak = peak_event = 0
-    for event, delta in sorted(deltas):
-        live += delta
+    """The highest running total (running_totals), and the time it was first reached."""
+    peak = peak_event = 0
+    for event, live in running_totals(deltas):
         if live > peak:
             peak, peak_event = live, event
     return peak, peak_event
+
+
+def span_peaks(totals: Iterable[tuple[float, int]], starts: list[int]) -> dict[int, tuple[int, float]]:
+    """The highest running total in each span between `starts` (sorted events; span i begins at
+    starts[i]), and the first time it was reached there: {i: (bytes, time)}."""
+    best: dict[int, tuple[int, float]] = {}
+    for event, live in totals:
+        i = bisect.bisect_right(starts, event) - 1
+        if live > best.get(i, (-1, 0))[0]:
+            best[i] = (live, event)
+    return best
 
 
 def replay(lives: list[Life]) -> Replay:
@@ -386,14 +437,61 @@ def replay(lives: list[Life]) -> Replay:
         [(life.born, 1, i) for i, life in enumerate(lives) if life.nbytes]
         + [(life.died, 0, i) for i, life in enumerate(lives) if life.nbytes and life.died != ALIVE]
     )
-    allocator, blocks = CachingAllocator(), {}
+    allocator, blocks, totals = CachingAllocator(), {}, []
     peak, peak_event = -1, 0
     for event, is_malloc, i in events:
         nbytes = lives[i].nbytes
         if is_malloc:
             blocks[i] = allocator.malloc(nbytes)
+            totals.append((event, allocator.allocated))
             if allocator.allocated > peak:
                 peak, peak_event = allocator.allocated, event
         else:
             allocator.free(blocks.pop(i), nbytes <= SMALL_REQUEST)
-    return Replay(max(peak, 0), peak_event, allocator.reserved)
+    return Replay(max(peak, 0), peak_event, allocator.reserved, totals)
+
+
+# ---- a traced step's peak
+
+
+def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:
+    """The peak (on CUDA through the caching allocator's replay) and what was alive then."""
+    if target == "cuda":
+        allocator = replay(mem.lives)
+        peak, event, reserved = allocator.peak_allocated, allocator.peak_event, allocator.peak_reserved
+    else:
+        (peak, event), reserved = sweep(mem.lives), 0
+    return snapshot(mem, peak, event, reserved, micro_steps)
+
+
+def moment_peaks(mem: MemoryTrace, target: str, micro_steps: int) -> dict[str, Peak]:
+    """The highest allocation at each moment of the step (mem.where: step, micro-step, phase) and
+    what was alive then; the step's peak (peak_of) is the highest, the first of equals."""
+    if target == "cuda":
+        allocator = replay(mem.lives)
+        totals, reserved = allocator.totals, allocator.peak_reserved
+    else:
+        totals, reserved = running_totals(deltas(mem.lives)), 0
+    moments = mem.moments()
+    best: dict[str, tuple[int, float]] = {}
+    for i, (nbytes, event) in sorted(span_peaks(totals, [start for start, _ in moments]).items()):
+        where = clip_phase(mem.where(event, moments[i][1]), micro_steps)
+        if nbytes > best.get(where, (-1, 0))[0]:
+            best[where] = (nbytes, event)
+    return {where: snapshot(mem, nbytes, event, reserved, micro_steps) for where, (nbytes, event) in best.items()}
+
+
+def snapshot(mem: MemoryTrace, peak: int, event: float, reserved: int, micro_steps: int) -> Peak:
+    """The Peak of `peak` bytes allocated at `event`: what was alive then, by part."""
+    snap = mem.at(event)
+    largest = snap.largest and (snap.largest.nbytes, snap.largest.op, snap.largest.shape)
+    blocks = peak - sum(snap.parts.values())
+    return Peak(peak, snap.parts, blocks, largest, clip_phase(snap.where, micro_steps), reserved)
+
+
+def clip_phase(where: str, micro_steps: int) -> str:
+    """A 'forward' after the last micro-step's backward is the clipping and loss reduction."""
+    m = re.search(r"micro-step (\d+), forward", where)
+    if m and int(m[1]) > micro_steps:
+        return where[: m.start()] + "after the backward (clipping)"
+    return where

@@ -16,7 +16,8 @@ tensors with a GPU run's choices and corrects for what differs, explicitly:
 - sizes: the CUDA caching allocator's rounding and blocks (memory.replay), the cuBLAS workspaces;
 - autocast: CPU and CUDA cast the ops of fastpt's forward alike (matmuls and attention to the
   autocast dtype on both; the norms and the loss upcast their inputs themselves), so nothing to do.
-Compiled runs: plan.compiled (Inductor's partitioner, its lowering's memory rules).
+Compiled runs: plan.compiled (Inductor's partitioner, its lowering's memory rules). A deep model is
+planned from two traces of it with fewer blocks, extrapolated to its depth (plan.depth).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import dataclasses
 import gc
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,13 +43,30 @@ from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_t
 from fastpt.data.loader import Batch
 from fastpt.hf import from_hf_config, is_hf_dir, not_hf_dir, read_json
 from fastpt.kernels import api as kernels
-from fastpt.plan import report, timing, torch_internals
+from fastpt.plan import depth, report, timing, torch_internals
 from fastpt.plan.compiled import compiling_for_plan, recompile_for_plan
 from fastpt.plan.gpus import CUDA_CONTEXT, GIB, Card, cublas_workspaces, scratch_table, speed_of
-from fastpt.plan.memory import Life, MemoryTrace, cuda_rounded, replay, sweep
+from fastpt.plan.memory import Life, MemoryTrace, Peak, cuda_rounded, moment_peaks, peak_of
+from fastpt.plan.progress import progress
 from fastpt.plan.torch_internals import fsdp_params
 from fastpt.presets import ModelConfig, model_config
 from fastpt.step import build_model, train_step
+
+# The plan's error band on the card's memory, which --micro-batch auto leaves free (fit_margin) and
+# within which a plan that fits is at risk: the most a checked config was planned below its measured
+# peak (PLAN_ERROR: eager 3% over the 1.4% measured, compiled 10% over 9-10%, on an H200,
+# tests/planned_peaks.json's "measured"), plus what the CUDA context may take beyond its estimate
+# (CONTEXT_SPREAD: 0.6 GiB at most against 0.5 GiB) on the smallest card fastpt plans for
+# (SMALLEST_CARD), rounded up to a whole percent: 5% eager, 12% compiled.
+PLAN_ERROR = {"eager": 0.03, "compiled": 0.10}
+CONTEXT_SPREAD = 0.1 * GIB
+SMALLEST_CARD = 8 * GIB
+
+
+def fit_margin(compiled: bool) -> float:
+    """The fraction of the card --micro-batch auto leaves free and a plan that fits may still need (above)."""
+    return math.ceil(100 * (PLAN_ERROR["compiled" if compiled else "eager"] + CONTEXT_SPREAD / SMALLEST_CARD)) / 100
+
 
 # ---- the run, built over fake tensors
 
@@ -115,18 +132,6 @@ def as_planned(cfg: TrainConfig, target: str) -> TrainConfig:
 
 
 @dataclass
-class Peak:
-    """A traced step's peak and what was alive then."""
-
-    bytes: int  # what torch.cuda.max_memory_allocated would report (CPU: the allocator's peak)
-    parts: dict[str, int]  # parameters, gradients, optimizer state, activations, transient, ...
-    blocks: int  # the caching allocator's blocks beyond the requests
-    largest: tuple[int, str, tuple[int, ...]] | None  # the largest transient: bytes, op, shape
-    where: str  # 'step 2, micro-step 2, backward'
-    reserved: int  # max_memory_reserved (0 on a CPU)
-
-
-@dataclass
 class Plan:
     """A planned run: its peak per GPU (or the CPU run's allocator peak), against a card."""
 
@@ -140,11 +145,20 @@ class Plan:
     seconds: float = 0.0
     trace: MemoryTrace | None = field(default=None, repr=False)  # every storage's life, for a closer look
     kernels: timing.KernelLog | None = field(default=None, repr=False)  # every launch, for the step time
+    # a deep model's plan (extrapolated): the kernels of its two shallower traces, and how far past the first
+    extrapolation: tuple[timing.KernelLog, timing.KernelLog, float] | None = field(default=None, repr=False)
+    depths: tuple[int, ...] = ()  # extrapolated: the blocks of the two traces, and the model's
+    moments: dict[str, Peak] = field(default_factory=dict, repr=False)  # a trace's peak at each moment (where)
 
     def step_time(self) -> timing.StepTime | None:
         """The step's time on the card (None for a CPU run, or a card without a known speed)."""
         speed = self.card and self.target == "cuda" and speed_of(self.card)
-        return timing.step_time(self.kernels, speed) if speed and self.kernels else None
+        if not (speed and self.kernels):
+            return None
+        if self.extrapolation:
+            a, b, k = self.extrapolation
+            return timing.extrapolated(timing.step_time(a, speed), timing.step_time(b, speed), k)
+        return timing.step_time(self.kernels, speed)
 
     @property
     def card_bytes(self) -> int:
@@ -205,11 +219,30 @@ def trace_steps(
 
 
 def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
-    """Two optimizer steps of the run over fake tensors, traced, each of at most two micro-steps: a
-    third and later ones repeat the second's memory (the gradients exist, the last one syncs)."""
+    """The run's plan: its model traced whole (trace_model), or for a deep one (traced_layers) the
+    same model with fewer blocks traced twice and the plan extrapolated to its depth (extrapolated;
+    tests/test_plan.py holds it to the whole trace)."""
+    mcfg = planned_model(cfg)
+    pair = depth.traced_layers(cfg, mcfg)
+    batch = f"{cfg.micro_batch} x {cfg.seq_len or mcfg.max_seq_len} x {cfg.grad_accum} accum"
+    if pair is None:
+        progress.say(f"tracing two optimizer steps of its {mcfg.n_layers} blocks at {batch}")
+        return trace_model(cfg, target, world_size, mcfg)
+    plans = []
+    for n in pair:
+        progress.say(f"tracing two optimizer steps of {n} of its {mcfg.n_layers} identical blocks at {batch}")
+        plans.append(trace_model(cfg, target, world_size, dataclasses.replace(mcfg, n_layers=n), moments=True))
+    plan = extrapolated(*plans, (mcfg.n_layers - pair[0]) / (pair[1] - pair[0]))
+    plan.depths = (*pair, mcfg.n_layers)
+    return plan
+
+
+def trace_model(cfg: TrainConfig, target: str, world_size: int, mcfg: ModelConfig, moments: bool = False) -> Plan:
+    """Two optimizer steps of the run with the model mcfg over fake tensors, traced, each of at most
+    two micro-steps: a third and later ones repeat the second's memory (the gradients exist, the last
+    one syncs). `moments`: the plan keeps the peak of every moment of the step too (Plan.moments)."""
 
     t0 = time.perf_counter()
-    mcfg = planned_model(cfg)
     seq_len = cfg.seq_len or mcfg.max_seq_len
     micro_steps = step_config(cfg).grad_accum
     ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
@@ -226,10 +259,27 @@ def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
         groups = muon_groups(net.optimizers, muon.ns_dtype(torch.device(target))) if ddp else []
     for life in mem.lives if ddp else ():  # gradient_as_bucket_view: the gradients are the buckets' views
         life.nbytes = 0 if life.kind == "gradients" else life.nbytes
-    peak = peak_of(mem, target, micro_steps)
+    peaks = moment_peaks(mem, target, micro_steps) if moments else {}
+    peak = max(peaks.values(), key=lambda p: p.bytes) if peaks else peak_of(mem, target, micro_steps)
     plan = Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
+    plan.moments = peaks
     buckets = [life.shape[0] for life in mem.lives if life.kind == "DDP gradient buckets"]
     plan.kernels = kernel_log(timed, plan, buckets, flops_per_token, groups)
+    return plan
+
+
+def extrapolated(a: Plan, b: Plan, k: float) -> Plan:
+    """The plan of the model k times as many blocks deeper than a's as b's is: the peak of each moment
+    of the step on its line through a's and b's, the highest of them its peak (depth.extrapolated_peak:
+    where the step peaks may move with the depth, from the optimizer to the forward); the parameters
+    on their line; the step time in Plan.step_time."""
+    line = lambda x, y: x + (y - x) * k
+    common = [where for where in b.moments if where in a.moments]
+    where = max(common, key=lambda w: line(a.moments[w].bytes, b.moments[w].bytes))
+    peak = depth.extrapolated_peak(a.moments[where], b.moments[where], k, depth.fragmentation(a.peak, b.peak))
+    plan = Plan(b.cfg, b.target, b.world_size, b.seq_len, round(line(a.params, b.params)), peak, b.card)
+    plan.seconds, plan.trace = a.seconds + b.seconds, b.trace
+    plan.kernels, plan.extrapolation = b.kernels, (a.kernels, b.kernels, k)
     return plan
 
 
@@ -290,27 +340,6 @@ def fsdp_labels(world_size: int) -> dict:
     return {torch_internals.fsdp_split_copy(): gathered} if world_size > 1 else {}
 
 
-def peak_of(mem: MemoryTrace, target: str, micro_steps: int) -> Peak:
-    """The peak (on CUDA through the caching allocator's replay) and what was alive then."""
-    if target == "cuda":
-        allocator = replay(mem.lives)
-        peak, event, reserved = allocator.peak_allocated, allocator.peak_event, allocator.peak_reserved
-    else:
-        (peak, event), reserved = sweep(mem.lives), 0
-    snap = mem.at(event)
-    largest = snap.largest and (snap.largest.nbytes, snap.largest.op, snap.largest.shape)
-    blocks = peak - sum(snap.parts.values())
-    return Peak(peak, snap.parts, blocks, largest, clip_phase(snap.where, micro_steps), reserved)
-
-
-def clip_phase(where: str, micro_steps: int) -> str:
-    """A 'forward' after the last micro-step's backward is the clipping and loss reduction."""
-    m = re.search(r"micro-step (\d+), forward", where)
-    if m and int(m[1]) > micro_steps:
-        return where[: m.start()] + "after the backward (clipping)"
-    return where
-
-
 # ---- the report
 
 
@@ -342,8 +371,25 @@ def unmodelled(plan: Plan) -> str:
     return f"fastpt: warning: the plan does not model {', '.join(what)}: leave room beyond it"
 
 
-def describe(plan: Plan) -> list[str]:
-    """The plan as it prints: the run, the peak and its parts, what the card needs, the verdict."""
+def verdict(plan: Plan) -> str:
+    """Whether the run fits its card: with room to spare beyond the plan's error band (fit_margin),
+    at risk within it, or not at all."""
+    spare = plan.card.usable - plan.card_bytes
+    if spare < 0:
+        return f"does NOT fit {plan.card}: {gib(-spare)} short"
+    margin = fit_margin(plan.cfg.compile) if plan.target == "cuda" else 0.0
+    if not plan.fits(margin):
+        mode = "compiled" if plan.cfg.compile else "eager"
+        return (
+            f"fits {plan.card}, but at risk: {gib(spare)} to spare, within the plan's error band "
+            f"({margin:.0%} of the card {mode}: {gib(margin * plan.card.usable)})"
+        )
+    return f"fits {plan.card}: {gib(spare)} to spare"
+
+
+def describe(plan: Plan, advice: list[str] | None = None) -> list[str]:
+    """The plan as it prints: the run, the peak and its parts, what the card needs, the verdict (and
+    after it `advice`: what would fit instead), the step time."""
     cfg, cuda, peak = plan.cfg, plan.target == "cuda", plan.peak
     kernels_used = as_planned(cfg, plan.target).kernels
     ranks = f"{plan.world_size} ranks ({cfg.parallel})" if plan.world_size > 1 else "1 GPU" if cuda else "1 process"
@@ -351,7 +397,8 @@ def describe(plan: Plan) -> list[str]:
         f"plan for {'CUDA' if cuda else 'a CPU run'} | preset {cfg.preset} | params {plan.params:,} | "
         f"dtype {cfg.dtype} | compile {cfg.compile} | AC {cfg.activation_checkpointing} | kernels {cfg.kernels}"
         + (f" ({kernels_used})" if kernels_used != cfg.kernels else "")
-        + f" | {cfg.micro_batch} x {plan.seq_len} x {cfg.grad_accum} accum x {ranks}",
+        + f" | {cfg.micro_batch} x {plan.seq_len} x {cfg.grad_accum} accum x {ranks}"
+        + f" | {report.tokens_text(cfg, plan.seq_len, plan.world_size)}",
         f"peak {'per GPU' if cuda else 'of the CPU allocator'}: {gib(peak.bytes)} "
         f"({'torch.cuda.max_memory_allocated' if cuda else 'tensors allocated'}), at {peak.where}",
     ]
@@ -369,9 +416,7 @@ def describe(plan: Plan) -> list[str]:
             f"(its segments, replayed) + {gib(CUDA_CONTEXT)} CUDA context (an estimate)"
         )
     if plan.card is not None:
-        spare = plan.card.usable - plan.card_bytes
-        verdict = "fits" if spare >= 0 else "does NOT fit"
-        lines.append(f"{verdict} {plan.card}: {gib(abs(spare))} {'to spare' if spare >= 0 else 'short'}")
+        lines += [verdict(plan), *(advice or [])]
     if cuda and plan.card is not None:
         step = plan.step_time()
         lines += (
@@ -380,7 +425,10 @@ def describe(plan: Plan) -> list[str]:
             else [f"step time: {plan.card} has no known speed; give one of the named --plan-gpu cards to plan it"]
         )
     took = command_seconds()
-    lines.append(f"planned in {plan.seconds:.1f} s" + (f" (the whole command so far: {took:.1f} s)" if took else ""))
+    how = ", from {} and {} of its {} blocks (the rest extrapolated)".format(*plan.depths) if plan.depths else ""
+    lines.append(
+        f"planned in {plan.seconds:.1f} s{how}" + (f" (the whole command so far: {took:.1f} s)" if took else "")
+    )
     return lines
 
 
@@ -400,6 +448,7 @@ def to_json(plan: Plan) -> dict:
         "device": plan.target,
         "params": plan.params,
         "seconds": plan.seconds,
+        "tokens": report.run_tokens(plan.cfg, plan.seq_len, plan.world_size),
     }
     if plan.target == "cuda":
         out.update(
@@ -413,5 +462,5 @@ def to_json(plan: Plan) -> dict:
         if plan.card.free is not None:
             out.update(gpu_free_gib=plan.card.free / GIB)
     if step := plan.step_time():
-        out.update(report.to_json(step, plan.cfg))
+        out.update(report.to_json(step, plan.cfg, speed_of(plan.card)))
     return out

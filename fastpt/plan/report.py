@@ -6,13 +6,14 @@ to zero (figure); the JSON keeps full precision."""
 from __future__ import annotations
 
 from fastpt.config import TrainConfig
-from fastpt.plan.gpus import Speed
+from fastpt.plan import published
+from fastpt.plan.gpus import GPUS, SPEEDS, Speed
 from fastpt.plan.timing import StepTime
 from fastpt.step import micro_batches
 
-# planned / reported step time over docs/performance.md's published runs that fastpt can express
-# (its "Published runs" table; tests/test_timing.py recomputes both from it): median and worst error.
-ERROR_BAND = (0.125, 0.29)
+# planned / reported step time over the published runs fastpt can express (plan.published, which a
+# slow test re-plans): median and worst error.
+ERROR_BAND = published.ERROR_BAND
 
 
 def figure(x: float, decimals: int = 1) -> str:
@@ -26,6 +27,14 @@ def figure(x: float, decimals: int = 1) -> str:
 def count(x: float) -> str:
     """A rate such as tok/s: 1,008k from 10,000 up, else whole (336), never 0 for a nonzero one."""
     return f"{x / 1e3:,.0f}k" if x >= 1e4 else figure(x, 0)
+
+
+def tokens(n: float) -> str:
+    """65,536; 655.4M; 5.24B: a token count at a glance."""
+    for scale, suffix, decimals in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1)):
+        if n >= scale:
+            return f"{n / scale:,.{decimals}f}{suffix}"
+    return f"{n:,.0f}"
 
 
 def duration(seconds: float) -> str:
@@ -45,6 +54,24 @@ def si(x: float, unit: str) -> str:
         if abs(x) >= scale:
             return f"{x / scale:.1f} {prefix}{unit}"
     return f"{figure(x, 0)} {unit}"
+
+
+def run_tokens(cfg: TrainConfig, seq_len: int, world_size: int) -> int:
+    """Tokens the whole run trains: max_steps steps of every rank's micro-batches (a batch warm-up's
+    ramp trains fewer)."""
+    return micro_batches(cfg, cfg.max_steps) * cfg.micro_batch * seq_len * world_size
+
+
+def tokens_text(cfg: TrainConfig, seq_len: int, world_size: int) -> str:
+    """'10,000 steps x 65,536 tokens = 655.4M tokens'."""
+    total = tokens(run_tokens(cfg, seq_len, world_size))
+    if cfg.batch_warmup_steps:
+        return (  # as the run's summary says it (metrics.summary)
+            f"{cfg.max_steps:,} steps = {total} tokens (a batch warm-up from {cfg.batch_warmup_start} to "
+            f"{cfg.micro_batch * cfg.grad_accum} sequences per rank over the first {cfg.batch_warmup_steps:,})"
+        )
+    per_step = cfg.micro_batch * seq_len * cfg.grad_accum * world_size
+    return f"{cfg.max_steps:,} steps x {per_step:,} tokens = {total} tokens"
 
 
 def run_seconds(step: StepTime, cfg: TrainConfig) -> float:
@@ -71,12 +98,29 @@ def run_line(step: StepTime, speed: Speed, cfg: TrainConfig) -> str:
         if cfg.batch_warmup_steps
         else ""
     )
-    median, worst = ERROR_BAND
     return (
         f"  {cfg.max_steps:,} steps{ramp} = {duration(run_seconds(step, cfg))} on {step.world_size} GPU"
-        f"{'s' if step.world_size > 1 else ''} = {figure(hours, 2)} GPU-hours{cost}{link}; "
-        f"the plan's error against published runs: median {median:.0%}, worst {worst:.0%} (docs/performance.md)"
+        f"{'s' if step.world_size > 1 else ''} = {figure(hours, 2)} GPU-hours{cost}{link}; {error_band(speed)}"
     )
+
+
+def measured_on(speed: Speed) -> bool:
+    """Whether a published run of the error band (plan.published) ran on this card."""
+    return any(speed is SPEEDS[key] for key in published.CARDS)
+
+
+def error_band(speed: Speed) -> str:
+    """The plan's error against the published runs, and whether any of them ran on this card."""
+    median, worst = ERROR_BAND
+    cards = ", ".join(GPUS[key][0] for key in published.CARDS)
+    line = (
+        f"the plan's error against {len(published.RUNS)} published runs on {cards}: "
+        f"median {median:.0%}, worst {worst:.0%} (docs/performance.md)"
+    )
+    if not measured_on(speed):
+        name = next(GPUS[key][0] for key, s in SPEEDS.items() if s is speed)
+        line += f"; none of them on the {name}: less certain there"
+    return line
 
 
 def describe(step: StepTime, card_name: str, speed: Speed, cfg: TrainConfig) -> list[str]:
@@ -100,7 +144,7 @@ def describe(step: StepTime, card_name: str, speed: Speed, cfg: TrainConfig) -> 
     return lines
 
 
-def to_json(step: StepTime, cfg: TrainConfig) -> dict:
+def to_json(step: StepTime, cfg: TrainConfig, speed: Speed) -> dict:
     """The keys --plan-json adds, unrounded."""
     return {
         "step_ms": step.seconds * 1e3,
@@ -115,7 +159,13 @@ def to_json(step: StepTime, cfg: TrainConfig) -> dict:
         "run_s": run_seconds(step, cfg),
         "gpu_hours": gpu_hours(step, cfg),
         **({"cost_usd": gpu_hours(step, cfg) * cfg.plan_price} if cfg.plan_price else {}),
-        "error_band": {"median": ERROR_BAND[0], "worst": ERROR_BAND[1]},
+        "error_band": {
+            "median": ERROR_BAND[0],
+            "worst": ERROR_BAND[1],
+            "runs": len(published.RUNS),
+            "cards": [GPUS[key][0] for key in published.CARDS],
+            "measured_on_this_card": measured_on(speed),
+        },
         "kernels": [
             {
                 "name": k.label,

@@ -302,6 +302,7 @@ class StepTime:
     cpu_seconds: float
     bound: str  # the clock with the most work, which the others wait for: CPU | GPU | communication
     kernels: list[Kernel]
+    work: dict[str, float] = field(default_factory=dict)  # seconds of work per clock (CPU, GPU, communication)
 
     @property
     def tok_s(self) -> float:
@@ -402,7 +403,35 @@ def step_time(log: KernelLog, speed: Speed) -> StepTime:
         "communication": sum(t for op, t in zip(ops, seconds) if op.cost.kind == "comm"),
     }
     bound = max(work, key=work.get)
-    return StepTime(total, parts, log.tokens, log.world_size, mfu, hfu, launches, cpu, bound, kernels)
+    return StepTime(total, parts, log.tokens, log.world_size, mfu, hfu, launches, cpu, bound, kernels, work)
+
+
+def extrapolated(a: StepTime, b: StepTime, k: float) -> StepTime:
+    """The step k times as far past a as b is (the same run with more blocks, plan.planner.extrapolated):
+    its time, parts, launches, each clock's work and each kernel's count and time on the line through
+    a's and b's, MFU and HFU from their FLOPs' lines. A kernel only b has (one whose shape grows with
+    the depth, as Muon's batch of a shape's matrices) is b's."""
+    line = lambda x, y: x + (y - x) * k
+    seconds = line(a.seconds, b.seconds)
+    work = {c: line(a.work[c], b.work[c]) for c in b.work}
+    kernels = []
+    for kb in b.kernels:
+        ka = next((x for x in a.kernels if (x.label, x.phase) == (kb.label, kb.phase)), None)
+        count, t = (round(line(ka.count, kb.count)), line(ka.seconds, kb.seconds)) if ka else (kb.count, kb.seconds)
+        kernels.append(dataclasses.replace(kb, count=count, seconds=t))
+    return StepTime(
+        seconds,
+        {p: line(a.parts[p], b.parts[p]) for p in b.parts},
+        b.tokens,
+        b.world_size,
+        line(a.mfu * a.seconds, b.mfu * b.seconds) / seconds,
+        line(a.hfu * a.seconds, b.hfu * b.seconds) / seconds,
+        round(line(a.launches, b.launches)),
+        line(a.cpu_seconds, b.cpu_seconds),
+        max(work, key=work.get),
+        sorted(kernels, key=lambda kernel: -kernel.seconds),
+        work,
+    )
 
 
 def top_kernels(ops: list[Op], priced: list[tuple[float, str]]) -> list[Kernel]:
