@@ -287,19 +287,25 @@ def test_cross_entropy_padded_row_width(ops):
     ],
 )
 def test_linear_cross_entropy(ops, monkeypatch, rows, hidden, vocab, reduction, chunk_bytes, z_loss):
+    _check_linear_cross_entropy(monkeypatch, rows, hidden, vocab, reduction, chunk_bytes, 1e-4, z_loss=z_loss)
+
+
+def _check_linear_cross_entropy(monkeypatch, rows, hidden, vocab, reduction, chunk_bytes, rtol, scale=1.0, **kwargs):
+    """linear_cross_entropy on x (rows, hidden) and a weight giving logits of about `scale` sigma,
+    chunked at `chunk_bytes`, against the float64 reference."""
     if chunk_bytes:
         monkeypatch.setattr(scratch, "CHUNK_BYTES", chunk_bytes)
-    x, w = torch.randn(rows, hidden), torch.randn(vocab, hidden) / hidden**0.5
+    x, w = torch.randn(rows, hidden), scale * torch.randn(vocab, hidden) / hidden**0.5
     target = _targets(rows, vocab, 0.2)
     _check_op(
         "linear_cross_entropy",
         [x, w],
         (target, -100, reduction),
         "triton",
-        1e-4,
+        rtol,
         reduction == "mean",
-        z_loss=z_loss,
         return_z_loss=True,
+        **kwargs,
     )
 
 
@@ -332,19 +338,8 @@ def test_cross_entropy_softcap(ops, rows, vocab, reduction, kwargs):
     ],
 )
 def test_linear_cross_entropy_softcap(ops, monkeypatch, rows, hidden, vocab, reduction, chunk_bytes):
-    if chunk_bytes:
-        monkeypatch.setattr(scratch, "CHUNK_BYTES", chunk_bytes)
-    x, w = torch.randn(rows, hidden), 4 * torch.randn(vocab, hidden) / hidden**0.5
-    target = _targets(rows, vocab, 0.2)
-    _check_op(
-        "linear_cross_entropy",
-        [x, w],
-        (target, -100, reduction),
-        "triton",
-        1e-5,
-        z_loss=1e-2,
-        return_z_loss=True,
-        softcap=SOFTCAP,
+    _check_linear_cross_entropy(
+        monkeypatch, rows, hidden, vocab, reduction, chunk_bytes, 1e-5, scale=4.0, z_loss=1e-2, softcap=SOFTCAP
     )
 
 
