@@ -81,16 +81,16 @@ PLANNED_MS = {
     "MPT-350M": 2007.7,
     "MPT-760M": 2888.4,
     "MPT-1B": 5550.3,
-    "MPT-1B H100": 509.5,
+    "MPT-1B H100": 508.9,
     "MPT-760M H100": 1265.8,
     "MPT-3B H100": 4797.9,
-    "MPT-7B H100": 1011.0,
+    "MPT-7B H100": 1009.2,
     "MPT-3B A100 40GB": 8062.5,
     "MPT-7B A100 40GB, AC": 25168.8,
     "modded-nanogpt record 6": 160.3,
     "modded-nanogpt record 7": 160.3,
-    "torchtitan Llama 3.1 8B": 2031.6,
-    "torchtitan Llama 3.1 8B, compiled": 1823.5,
+    "torchtitan Llama 3.1 8B": 2028.8,
+    "torchtitan Llama 3.1 8B, compiled": 1816.2,
 }
 
 

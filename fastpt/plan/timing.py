@@ -32,7 +32,9 @@ times, the second (which syncs) once. Constants and their sources: docs/performa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -71,7 +73,7 @@ class Op:
     micro: int  # micro-step, 1-based; after the last one's backward: the clipping
     cost: Cost
     cpu_us: float
-    reads: tuple[int, ...] = ()  # storages (their StorageImpl addresses)
+    reads: tuple[int, ...] = ()  # storages, by KernelTrace's serial number (an address is reused once freed)
     writes: tuple[int, ...] = ()
     step: int = 0
 
@@ -90,6 +92,11 @@ class KernelTrace(TorchDispatchMode):
         self.ops: list[Op] = []
         self._step, self._micro, self._last, self._in_optimizer, self._hooks = -1, 1, "forward", False, ()
         self._graph_calls = 0  # of mem.graph_calls, those already priced
+        # Each storage's serial number: a new buffer at a freed one's address (which the allocator's
+        # free lists hand out by chance, as a print between ops can change) is a new storage, not one
+        # that the freed one's last writer still holds up.
+        self._serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next_serial = itertools.count()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -146,12 +153,15 @@ class KernelTrace(TorchDispatchMode):
         calls, self._graph_calls = self.mem.graph_calls - self._graph_calls, self.mem.graph_calls
         if phase == "optimizer" and cost.kind == "matmul":  # no optimizer but Muon multiplies matrices
             cost, label = newton_schulz(cost, self.ns_dtype), f"Newton-Schulz: {label}"
-        reads = tuple(st._cdata for t in tensors((args, kwargs)) for st in storages(t))
-        writes = tuple(st._cdata for t in tensors(out) for st in storages(t))
+        reads, writes = self._storages((args, kwargs)), self._storages(out)
         if cost.kind == "comm":  # in-place collectives write their output argument
             writes += reads
         host = cpu * cost.launches + calls * GRAPH_CALL_US  # a graph's wrappers run before its first op
         self.ops.append(Op(label, phase, self._micro, cost, host, reads, writes, self._step))
+
+    def _storages(self, tree: object) -> tuple[int, ...]:
+        serial = lambda st: self._serials.setdefault(st, next(self._next_serial))
+        return tuple(serial(st) for t in tensors(tree) for st in storages(t))
 
 
 def newton_schulz(cost: Cost, dtype: torch.dtype | None) -> Cost:
