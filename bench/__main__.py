@@ -1,7 +1,8 @@
 """python -m bench [train-step options] | python -m bench COMMAND [its options], COMMAND one of
 kernels (kernel table), aot (the sm_90 compile table), prepare (fastpt.prepare vs raw encode),
 soak (a long run watched for leaks), race (time to the seed recipe's loss per option), plan (fastpt.plan
-against the CPU allocator, and its speed)."""
+against the CPU allocator, and its speed), results (a stored results folder's archive: unpack, pack, re-make
+its table)."""
 
 import importlib
 import sys
@@ -13,6 +14,7 @@ COMMANDS = {
     "soak": "bench.soak",
     "race": "bench.race",
     "plan": "bench.plan_check",
+    "results": "bench.results_archive",
 }
 
 

@@ -157,12 +157,16 @@ def goal_lines(result: dict) -> list[str]:
     return lines
 
 
+def corpus_heading(name: str, result: dict) -> str:
+    return f"## {name} ({result['data']}, vocab {result['vocab']:,})"
+
+
 def corpus_section(name: str, result: dict) -> str:
     combo, seed, base = result["best"], result["rows"][0]["budgets"][-1], result["baseline"]
     members = " + ".join(combo["members"]) or f"none (no option beat {base} by more than 2 SE)"
     edge = [r["recipe"] for r in result["rows"] if r["lr_at_edge"]]
     lines = [
-        f"## {name} ({result['data']}, vocab {result['vocab']:,})",
+        corpus_heading(name, result),
         "",
         f"Full budget: {result['tokens']:,} tokens = {result['steps']:,} steps of {result['tokens_per_step']:,} "
         f"tokens ({result['tokens'] / result['params']:.2f} tokens per parameter of the seed's model, "
@@ -199,12 +203,20 @@ def report(result: dict) -> str:
         "",
     ]
     body = [corpus_section(name, r) for name, r in result["corpora"].items()]
-    speed = [
-        f"## Speed rounds ({i['speed_corpus']}, {i['speed_rounds']} rounds of {i['speed_steps']} steps)",
-        "",
-        speed_table(result["speed"]),
-    ]
-    return "\n".join(head) + "\n" + "\n\n".join(body + ["\n".join(speed)]) + "\n"
+    return "\n".join(head) + "\n" + "\n\n".join([*body, speed_section(result)]) + "\n"
+
+
+def speed_section(result: dict) -> str:
+    i = result["info"]
+    heading = f"## Speed rounds ({i['speed_corpus']}, {i['speed_rounds']} rounds of {i['speed_steps']} steps)"
+    return f"{heading}\n\n{speed_table(result['speed'])}"
+
+
+def summary(result: dict) -> str:
+    """The tables a results folder's README shows: each corpus's recipes and the speed rounds (race.md
+    adds the target, the verdicts' prose and every run)."""
+    body = [f"{corpus_heading(name, r)}\n\n{results_table(r)}" for name, r in result["corpora"].items()]
+    return "\n\n".join([*body, speed_section(result)]) + "\n"
 
 
 def save(folder: Path, result: dict, work: Path) -> None:
