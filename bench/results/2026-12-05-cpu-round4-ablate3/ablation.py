@@ -1,6 +1,7 @@
 """Issue 45's rule over the races beside this file: `python ablation.py` (from the repository root or
-here; reads {default,shakespeare}/race.json and core-{default,shakespeare}/race.json, the second
-pair adding `modern-core`, modern less both QK-norm and WSD, to the same seed and modern runs).
+here; reads {default,shakespeare}/race.json and core-{default,shakespeare}/race.json from raw.tar.xz
+beside it, the second pair adding `modern-core`, modern less both QK-norm and WSD, to the same seed
+and modern runs).
 
 Every recipe against `modern`, at every budget: the difference of mean final val losses (the
 recipe's minus modern's: positive is worse than modern) and two standard errors of it (bench's own
@@ -16,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for bench
 from bench.race_stats import difference  # noqa: E402
+from bench.results_archive import members  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CORPORA = ("default", "shakespeare")
@@ -34,11 +36,11 @@ OPTIONS = {  # modern plus one option
 }
 
 
-def rows(corpus: str) -> tuple[dict[str, dict], dict]:
+def rows(corpus: str, files: dict[str, bytes]) -> tuple[dict[str, dict], dict]:
     """Every recipe's row of the corpus's two races, and the first race's result (target, tokens)."""
     results = []
     for folder in (corpus, f"core-{corpus}"):
-        (result,) = json.loads((HERE / folder / "race.json").read_text())["corpora"].values()
+        (result,) = json.loads(files[f"{folder}/race.json"])["corpora"].values()
         results.append(result)
     return {row["recipe"]: row for result in results for row in result["rows"]}, results[0]
 
@@ -57,7 +59,8 @@ def cell(d: float, two_se: float) -> str:
 
 
 def main() -> None:
-    races = {c: rows(c) for c in CORPORA}
+    files = members(HERE)
+    races = {c: rows(c, files) for c in CORPORA}
     print(
         "| recipe | what | "
         + " | ".join(f"{c} vs modern at 0.25x / 0.5x / 1x" for c in CORPORA)

@@ -3,13 +3,13 @@ race.md's collation reads back with --reuse), and writes the record --reuse need
 committed results folder already holds (their metrics.jsonl and process wall, the command rebuilt)."""
 
 import json
-import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import race
 from bench.race_flags import common_flags, lr_flags, recipes
+from bench.results_archive import members
 
 ARGV = sys.argv[1:]
 args = race.parse_args(ARGV)
@@ -18,8 +18,8 @@ chosen = recipes(args)
 _, data = race.corpus("default", args.vocab_size)
 r = race.Race(args, data, Path(args.work) / "default")
 budgets = dict(r.budgets)  # fraction -> steps
-committed = Path("/work/main/bench/results/2026-12-04-cpu-round4-scale4x")
-old = {x["run"]: x for x in json.loads((committed / "race.json").read_text())["corpora"]["default"]["runs"]}
+committed = members(Path(__file__).resolve().parents[1] / "2026-12-04-cpu-round4-scale4x")  # its raw.tar.xz
+old = {x["run"]: x for x in json.loads(committed["race.json"])["corpora"]["default"]["runs"]}
 for tag, row in old.items():
     recipe, mult, fraction, seed = row["recipe"], row["multiplier"], row["fraction"], row["seed"]
     lr_args, _ = lr_flags(chosen[recipe], mult, args, r.vocab)
@@ -29,7 +29,7 @@ for tag, row in old.items():
     cmd += [*common_flags(args, budgets[fraction]), "--out", str(out), *given]
     assert row["flags"] == given, (row["flags"], given)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(committed / "default" / tag / "metrics.jsonl", out / "metrics.jsonl")
+    (out / "metrics.jsonl").write_bytes(committed[f"default/{tag}/metrics.jsonl"])
     (r.work / f"{tag}.json").write_text(json.dumps({"command": cmd, "process_s": row["process_s"]}))
     print("recorded", tag, flush=True)
 todo = [(rec, f, s) for f in (1.0, 0.25) for rec in ("modern", "muon", "seed") for s in (1337, 1338, 1339)]
