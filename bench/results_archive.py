@@ -21,7 +21,6 @@ import sys
 import tarfile
 from pathlib import Path, PurePosixPath
 
-from bench import race_report, soak
 from fastpt.errors import ArgumentParser, FastptError, fail
 
 ARCHIVE = "raw.tar.xz"
@@ -91,6 +90,8 @@ def current_race(result: dict) -> dict | None:
 def table(folder: Path) -> str:
     """The folder's table, re-made from its archive: each race.json's summary (a race in a subfolder
     under its name), or the soak's table."""
+    from bench import race_report, soak  # they load torch: unpack and pack do without it
+
     files = members(folder)
     parts = []
     for name in sorted(n for n in files if PurePosixPath(n).name in ("race.json", "soak.json")):
