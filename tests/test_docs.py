@@ -80,3 +80,14 @@ def test_slug_follows_github():
     assert slug("Mixtures: `--data DIR:WEIGHT,DIR:WEIGHT`") == "mixtures---data-dirweightdirweight"
     assert slug("Hugging Face: export and import") == "hugging-face-export-and-import"
     assert slug("Compiled for an H200 without a GPU") == "compiled-for-an-h200-without-a-gpu"
+
+
+def test_the_docs_card_list_is_the_planners():
+    """docs/performance.md's table of cards is the docs' one list of `--plan-gpu` names: it holds
+    exactly the cards fastpt.plan.gpus knows."""
+    from fastpt.plan import gpus
+
+    text = (REPO / "docs" / "performance.md").read_text()
+    table = next(b for b in text[text.index("## The cards") :].split("\n\n") if b.startswith("|"))
+    names = [cell for row in table.splitlines()[2:] for cell in re.findall(r"`([^`]+)`", row.split("|")[1])]
+    assert sorted(names) == sorted(gpus.GPUS)
