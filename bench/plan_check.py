@@ -42,7 +42,7 @@ ACCURACY = {
     "compiled bf16, accum 2": "--preset tiny --vocab-size 512 --micro-batch 8 --seq-len 128 --dtype bf16 "
     "--grad-accum 2 --compile",
 }
-# GPU plans timed (issue 55's targets: a 1b plan within 30 s, an 8B one within 2 minutes; the 1b
+# GPU plans timed (the targets: a 1b plan within 30 s, an 8B one within 2 minutes; the 1b
 # compiled --micro-batch auto search took 5 minutes before a deep model was planned from two shallow traces)
 LLAMA3_8B = next(run for run in published.RUNS if run.name == "torchtitan Llama 3.1 8B")
 PLAN_TIMINGS = {

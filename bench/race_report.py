@@ -14,7 +14,7 @@ from pathlib import Path
 from bench.common import fmt, git_commit, markdown_table, versions
 from fastpt.hf import write_json
 
-TIME_GOAL, TOKENS_GOAL = 0.25, 0.15  # --recipe modern's goal, as fractions of the seed's (issue 45)
+TIME_GOAL, TOKENS_GOAL = 0.25, 0.15  # --recipe modern's goal, as fractions of the seed's
 
 
 def machine() -> str:

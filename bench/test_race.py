@@ -73,7 +73,7 @@ def metrics(path, per_step: int, evals: dict[int, float], tok_s: float = 1000.0)
             ["--save", "/dev/null/out"],
             "--save '/dev/null/out': cannot write there ('/dev/null' is not a writable folder)",
         ),
-        # issue 55: os.access tells root that /proc and /sys are writable
+        # os.access tells root that /proc and /sys are writable
         (
             ["--save", "/proc/race-out"],
             "--save '/proc/race-out': cannot write there ('/proc' is not a writable folder)",

@@ -136,7 +136,7 @@ def require(module: str, feature: str, pip_name: str | None = None, extra: str |
         return importlib.import_module(module)
     except ImportError:
         package = pip_name or module
-        how = f"pip install 'fastpt[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        how = f'pip install -e ".[{extra}]" (or pip install {package})' if extra else f"pip install {package}"
         raise MissingPackage(f"{feature} needs the {package} package: {how}") from None
 
 

@@ -19,7 +19,7 @@ from fastpt.presets import PRESETS
 # nanochat's AdamW LRs beside Muon, tuned at width 768 and scaled as (dim / 768) ** -0.5. Its 0.2 for
 # the embedding is for one initialized at std 1; AdamW's step does not scale with the weights, so
 # ours, at INIT_STD, takes 0.2 * INIT_STD for the same relative step (the best of 0.0035-1.39 in the
-# race's screen at width 64, docs/recipes.md).
+# race's screen at width 64, bench/results/2026-12-03-cpu-race5-screen/method.md).
 EMBED_LR_768, HEAD_LR_768 = 0.2 * INIT_STD, 0.004
 MUON_MOMENTUM_START = 0.85  # Muon's momentum warms up from here (nanochat, modded-nanogpt)
 # Each setting reapply_settings puts back after a resume: what the config says, not the checkpoint.

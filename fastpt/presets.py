@@ -131,7 +131,7 @@ class ModelConfig:
         return self
 
 
-# The model config's format in checkpoints. 1 (unmarked, until issue 54): ffn_dim was SwiGLU's width
+# The model config's format in checkpoints. 1 (unmarked, the first format): ffn_dim was SwiGLU's width
 # and relu2's MLP 3/2 of it wide; 2: ffn_dim is the hidden width of either MLP.
 CONFIG_FORMAT = 2
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))

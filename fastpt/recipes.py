@@ -3,11 +3,11 @@ defaults, the preset's batch and the CPU profile, below a TOML file and explicit
 (fastpt.config.resolve), so any one of them can still be changed. `seed` is the seed's own recipe
 (the defaults); `modern`: Muon (momentum 0.85) with nanochat's groups and momentum warmup, an
 untied embedding without weight decay, warmup-stable-decay to zero with the 1 - sqrt cooldown
-(Hägele et al. 2024), and QK-norm (Qwen3, OLMo 2). In the race (docs/recipes.md) it reaches the
+(Hägele et al. 2024), and QK-norm (Qwen3, OLMo 2). In the race (docs/race.md) it reaches the
 seed's loss in 0.29x and 0.20x the tokens on two corpora and beats Muon alone on both; at 2x and
 4.3x the parameters (3 seeds, the default corpus) in 0.44x and 0.34x, still beating both beyond 2
-SE: the win shrinks with the model. Round 4's
-ablation (3 budgets, 3 seeds, both corpora; docs/recipes.md): without Muon it loses 0.20-0.21 nats
+SE: the win shrinks with the model. The race's
+ablation (3 budgets, 3 seeds, both corpora; docs/race.md): without Muon it loses 0.20-0.21 nats
 at the full budget, without the untied embedding 0.08-0.12, without QK-norm and WSD together 0.05,
 each beyond 2 SE on both corpora; QK-norm or WSD alone is within the noise on at least one.
 Zero-initialized output projections lost an earlier race and are left out. `modern-relu2`,

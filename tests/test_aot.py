@@ -88,7 +88,7 @@ def test_launch_plans_for_h200():
 
 
 def test_weight_gradient_traffic_at_the_0_04b_shape():
-    """Issue 19: at most ~1.1 GB of fp32 weight-gradient reads + writes per step at 32768 x 512 ->
+    """At most ~1.1 GB of fp32 weight-gradient reads + writes per step at 32768 x 512 ->
     32000, and about +0.3 GiB for one chunk of logits and that gradient."""
     (c,) = _compiled("linear_cross_entropy 32768x512->32000 bf16")
     chunks = -(-32768 // c.grid[0])

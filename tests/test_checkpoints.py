@@ -339,7 +339,7 @@ def cpu_allocator_peak(run, mapped: bool = False) -> int:
     allocation events carry. A memory-mapped file's tensors are the file's pages, not the
     allocator's: their events carry no total, and they count nothing, unless `mapped`: then every
     allocation event is summed in time order, a mapped file counted at its size (the profiler's view
-    of a whole `fastpt.train.main`, issue 46)."""
+    of a whole `fastpt.train.main`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -377,7 +377,7 @@ def test_resume_peaks_no_higher_than_a_fresh_run(tmp_path):
     and optimizer state: built, resumed and stepped twice, the allocator's peak is a fresh run's
     (built, stepped twice) within 5%, so the plan (a fresh run's) covers a resume. Before: the whole
     checkpoint loaded beside the model plus fresh optimizer state beside the loaded one, +12 bytes
-    per parameter (issue 32: 199 MiB fresh, 347 MiB resumed at 13M parameters, fp32, micro-batch 1)."""
+    per parameter (199 MiB fresh, 347 MiB resumed at 13M parameters, fp32, micro-batch 1)."""
     from fastpt import distributed
     from fastpt.config import resolve
     from fastpt.plan import planner
@@ -416,7 +416,7 @@ def test_resume_peaks_no_higher_than_a_fresh_run(tmp_path):
     assert all(len(s) for opt in net.optimizers for s in opt.state.values())
 
 
-# ---- only proven damage is skipped (issue 55)
+# ---- only proven damage is skipped
 
 
 def test_a_one_block_unet_has_no_skip_weight_and_every_parameter_is_trained():

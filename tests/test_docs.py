@@ -1,4 +1,4 @@
-"""Every relative link and #anchor in the README, CONTRIBUTING and docs/ resolves: a moved section
+"""Every relative link and #anchor in the README, CONTRIBUTING, docs/ and the results' pages resolves: a moved section
 or renamed file fails here, not in a reader's browser."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ CODE = re.compile(r"`[^`\n]*`")  # `kernel[grid](...)` is code, not a link
 
 
 def pages() -> list[Path]:
-    candidates = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
+    results = sorted((REPO / "bench" / "results").glob("**/*.md"))
+    candidates = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md")), *results]
     return [p for p in candidates if p.is_file()]
 
 
@@ -80,3 +81,14 @@ def test_slug_follows_github():
     assert slug("Mixtures: `--data DIR:WEIGHT,DIR:WEIGHT`") == "mixtures---data-dirweightdirweight"
     assert slug("Hugging Face: export and import") == "hugging-face-export-and-import"
     assert slug("Compiled for an H200 without a GPU") == "compiled-for-an-h200-without-a-gpu"
+
+
+def test_the_docs_card_list_is_the_planners():
+    """docs/performance.md's table of cards is the docs' one list of `--plan-gpu` names: it holds
+    exactly the cards fastpt.plan.gpus knows."""
+    from fastpt.plan import gpus
+
+    text = (REPO / "docs" / "performance.md").read_text()
+    table = next(b for b in text[text.index("## The cards") :].split("\n\n") if b.startswith("|"))
+    names = [cell for row in table.splitlines()[2:] for cell in re.findall(r"`([^`]+)`", row.split("|")[1])]
+    assert sorted(names) == sorted(gpus.GPUS)

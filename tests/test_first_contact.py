@@ -1,4 +1,4 @@
-"""What a newcomer trips on (issue 46): a --resume that says what it resumes or why it starts
+"""What a newcomer trips on: a --resume that says what it resumes or why it starts
 afresh, --out refused before any work, the CPU thread count, and the silent mistakes of the tryout
 (--parallel fsdp without torchrun, --init-from a run folder, a binary file in a prepared folder)."""
 
@@ -43,7 +43,7 @@ def no_work(monkeypatch):
 
 
 def test_resume_of_a_typo_refuses_naming_the_nearest_run(runs, tiny_data, capsys, no_work):
-    """issue 55: a --resume whose folder is missing and whose name is near a run's is a typo: refused
+    """A --resume whose folder is missing and whose name is near a run's is a typo: refused
     (exit 2) before any work, not a new run trained into it."""
     typo = runs / "copyrigth"
     train_refuses(
@@ -241,7 +241,7 @@ def test_prepare_names_a_binary_file_and_skips_it_when_asked(tmp_path, capsys):
 
 
 def test_prepare_without_inputs_says_it_reads_the_standard_library(tmp_path, capsys, monkeypatch):
-    """issue 55: a newcomer who gives no inputs learns what the corpus is (here two of its files)."""
+    """A newcomer who gives no inputs learns what the corpus is (here two of its files)."""
     monkeypatch.setattr(prepare, "stdlib_sources", lambda: [Path(os.__file__), Path(os.__file__).with_name("abc.py")])
     code, out, err = run_main(prepare.main, ["--tokenizer", "bytes", "--workers", "1", "--out", str(tmp_path)], capsys)
     assert code == 0, err
@@ -249,14 +249,14 @@ def test_prepare_without_inputs_says_it_reads_the_standard_library(tmp_path, cap
 
 
 def test_sample_of_a_data_folder_says_it_is_one(tiny_data, capsys):
-    """issue 55: not 'train with --out DATA first', which would train into the data folder."""
+    """Not 'train with --out DATA first', which would train into the data folder."""
     code, _, err = run_main(sample.main, ["--ckpt", str(tiny_data), "--device", "cpu"], capsys)
     assert_one_line_error(code, err, f"{tiny_data} is a data folder (token shards), not a run")
 
 
 @pytest.mark.parametrize("garbled", [b"garbage" * 100, b"PK\x03\x04" + bytes(range(256)) * 4])
 def test_a_garbled_checkpoint_is_one_line_of_fastpts_own(tmp_path, capsys, garbled):
-    """issue 55: no torch advice on torch.save's zipfile option for a file that is no checkpoint."""
+    """No torch advice on torch.save's zipfile option for a file that is no checkpoint."""
     bad = tmp_path / "ckpt_00000001.pt"
     bad.write_bytes(garbled)
     code, _, err = run_main(sample.main, ["--ckpt", str(bad), "--device", "cpu"], capsys)

@@ -1,4 +1,4 @@
-"""The round-4 options (--mlp relu2, --logit-softcap, --unet-skips, --batch-warmup-steps): what each
+"""The model options beyond the recipes (--mlp relu2, --logit-softcap, --unet-skips, --batch-warmup-steps): what each
 computes, its parameters, compile without breaks or recompiles, resume, the plan's cost, and
 export's refusal."""
 
@@ -63,7 +63,7 @@ def test_ffn_dim_is_the_mlps_hidden_width_as_given(flags, hidden):
 
 
 def test_an_old_relu2_checkpoint_loads_to_the_same_model(tmp_path):
-    """Until issue 54 a checkpoint's relu2 model config (format 1, unmarked) meant 3/2 of ffn_dim wide:
+    """A format-1 checkpoint's relu2 model config (unmarked, the first format) meant 3/2 of ffn_dim wide:
     it loads as that model, its weights as saved; one written now says its format and means ffn_dim."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(CFG, mlp="relu2", ffn_dim=96)
@@ -151,7 +151,7 @@ def test_a_bad_option_value_is_one_line_naming_it(key, value):
 
 def test_softcap_honours_every_reduction():
     """The soft-capped loss reduced as asked, its z-loss part alike: "sum" is the per-target losses'
-    sum (it was their mean, issue 54), "mean" their mean over the counted targets."""
+    sum (not their mean), "mean" their mean over the counted targets."""
     torch.manual_seed(0)
     model = Transformer(dataclasses.replace(CFG, logit_softcap=2.0), z_loss=1e-2)
     x, y = batch()
@@ -164,7 +164,7 @@ def test_softcap_honours_every_reduction():
 
 
 def test_the_soft_cap_costs_a_gpu_plan_nothing():
-    """The soft-capped loss is the fused kernel's (issue 54): a GPU plan never holds the (B*T, V)
+    """The soft-capped loss is the fused kernel's: a GPU plan never holds the (B*T, V)
     logits, capped or not, so its peak and step time are the uncapped run's within 5% (the
     materialized loss added fp32 copies of the logits to the peak and their passes to the step)."""
     small = ("--preset", "tiny", "--vocab-size", "4096", "--micro-batch", "8", "--seq-len", "128")

@@ -418,7 +418,7 @@ def test_auto_line_says_what_set_the_limit_and_per_rank():
 def test_fit_margin_covers_the_error_band_and_the_context():
     """auto's margin: the plan's error band plus the CUDA context's spread on the smallest card,
     rounded up to a whole percent (5% eager, 12% compiled); the band covers every error measured on a
-    GPU (tests/planned_peaks.json's "measured", from issue 32), and no known card is smaller than the
+    GPU (tests/planned_peaks.json's "measured", an H200 run), and no known card is smaller than the
     smallest the margin assumes."""
     for compiled, mode in ((False, "eager"), (True, "compiled")):
         need = planner.PLAN_ERROR[mode] + planner.CONTEXT_SPREAD / planner.SMALLEST_CARD

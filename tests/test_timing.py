@@ -284,7 +284,7 @@ def test_the_plan_prices_the_run_and_names_its_link():
 
 @pytest.mark.parametrize("price", ["-1", "1e308"])
 def test_a_price_out_of_range_is_refused(price):
-    """A negative price, or one so large the run cost $inf (issue 55)."""
+    """A negative price, or one so large the run cost $inf."""
     cli, config_file = parse_args([*TINY, "--plan-price", price, "--plan-gpu", "h100-80"])
     with pytest.raises(ConfigError, match=re.escape(f"'plan_price' must be in [0, 1000], got {float(price)}")):
         planner.planned_config(cli, config_file)

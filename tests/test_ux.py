@@ -126,7 +126,7 @@ def test_sample_takes_a_checkpoint_file_and_draws_several_samples(run_dir, capsy
     [
         (["--temperature", "nan"], "--temperature"),
         (["--temperature", "-1"], "--temperature"),
-        (["--temperature", "1e-300"], "'--temperature' must be 0 (off) or in [0.01, 100], got 1e-300"),  # issue 55
+        (["--temperature", "1e-300"], "'--temperature' must be 0 (off) or in [0.01, 100], got 1e-300"),
         (["--max-new-tokens", "1" + "0" * 400], "'--max-new-tokens' must be in [1, 1_000_000_000_000]"),
         (["--top-k", "-1"], "--top-k"),
         (["--max-new-tokens", "0"], "--max-new-tokens"),
@@ -158,7 +158,7 @@ def test_plot_writes_a_png(run_dir):
 
 def test_plot_without_matplotlib_says_what_to_install(run_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    expected = "fastpt.plot needs the matplotlib package: pip install 'fastpt[plot]' (or pip install matplotlib)"
+    expected = 'fastpt.plot needs the matplotlib package: pip install -e ".[plot]" (or pip install matplotlib)'
     with pytest.raises(MissingPackage, match=re.escape(expected)):
         plot.plot(run_dir)
 

@@ -41,7 +41,7 @@ def shape(d: int, layers: int, heads: int, vocab: int, seq: int, micro: int, acc
 
 MPT = " --compile --parallel fsdp"  # MosaicML llm-foundry's benchmark tables: FSDP, Triton flash attention
 MNG = (  # modded-nanogpt records 6 and 7: Muon over the ranks, ReLU^2, QK-norm, compiled
-    shape(768, 12, 6, 50304, 1024, 64, 1, ffn=3072)  # relu2's own width (2048 until issue 54 meant 3/2 x)
+    shape(768, 12, 6, 50304, 1024, 64, 1, ffn=3072)  # relu2's own width (format-1 configs wrote 2048 and meant 3/2 x)
     + " --mlp relu2 --qk-norm --tie-embeddings --kernels torch --compile --optimizer muon --parallel ddp"
 )
 LLAMA3_8B = (  # torchtitan's Llama 3.1 8B, December 2024: FSDP2, bf16, selective AC
