@@ -22,6 +22,7 @@ import torch
 from fastpt import float8
 from fastpt.errors import ConfigError, elsewhere, suggest
 from fastpt.kernels import api as kernels
+from fastpt.muon import ORTHOGONALIZERS
 from fastpt.plan import gpus
 from fastpt.presets import ATTENTIONS, MAX_SEQ_LEN, PRESET_BATCH, PRESETS, shape_keys
 from fastpt.presets import ModelConfig as ModelConfig  # fastpt.config.ModelConfig / PRESETS: the stable API names
@@ -215,6 +216,39 @@ class TrainConfig:
     muon_weight_decay: float = setting(
         0.0, "Muon's decoupled weight decay: each step shrinks its matrices by lr * this", domain=DECAY
     )
+    muon_momentum_end: float = setting(
+        0.0,
+        "Muon's momentum at the end of the LR decay, reached linearly across it from muon_momentum (nanochat: 0.90 "
+        "across its warmdown); 0 = held at muon_momentum",
+        domain=BETA,
+        recipe=True,
+    )
+    muon_weight_decay_schedule: str = setting(
+        "constant",
+        "Muon's weight decay over the run: constant, or cosine: muon_weight_decay * (1 + cos(pi * step / max_steps)) / 2, "
+        "to zero at the end (nanochat)",
+        choices=("constant", "cosine"),
+        recipe=True,
+    )
+    muon_orthogonalize: str = setting(
+        "newton-schulz",
+        "how Muon orthogonalizes its update: newton-schulz (5 quintic steps, Jordan's) or polar-express (Amsel et al. "
+        "2025: a quintic tuned per step; nanochat)",
+        choices=ORTHOGONALIZERS,
+        recipe=True,
+    )
+    normuon: bool = setting(
+        False,
+        "NorMuon (Li et al. 2025; nanochat): Muon's orthogonalized update divided per row (a wide matrix's per "
+        "column) by the root of its running mean square (beta2 0.9), then scaled back to its norm",
+        recipe=True,
+    )
+    cautious_weight_decay: bool = setting(
+        False,
+        "Muon's weight decay only on the entries its update also moves toward zero (cautious weight decay, Chen et "
+        "al. 2025; nanochat)",
+        recipe=True,
+    )
     embed_lr: float = setting(
         0.0,
         "--optimizer muon: the untied embedding's peak AdamW LR; 0 = 0.004 * (dim / 768) ** -0.5 "
@@ -229,6 +263,14 @@ class TrainConfig:
     )
     muon_adam_beta1: float = setting(
         0.8, "--optimizer muon: beta1 of the embedding's and head's AdamW (beta2 is beta2; nanochat's 0.8)", domain=BETA
+    )
+    adamw_groups: str = setting(
+        "shared",
+        "--optimizer muon: shared: the embedding's and head's AdamW take muon_adam_beta1, beta2, eps and weight_decay; "
+        "nanochat: nanochat's own per group, the head (0.8, 0.96) decayed 0.01, the embedding (0.8, 0.995) "
+        "decayed 0.001, eps 1e-10",
+        choices=("shared", "nanochat"),
+        recipe=True,
     )
     weight_decay: float = setting(0.1, "AdamW weight decay", domain=DECAY)
     decay_rule: str = setting(

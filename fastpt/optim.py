@@ -22,6 +22,12 @@ from fastpt.presets import PRESETS
 # race's screen at width 64, bench/results/2026-12-03-cpu-race5-screen/method.md).
 EMBED_LR_768, HEAD_LR_768 = 0.2 * INIT_STD, 0.004
 MUON_MOMENTUM_START = 0.85  # Muon's momentum warms up from here (nanochat, modded-nanogpt)
+NORMUON_BETA2 = 0.9  # NorMuon's running mean square (nanochat's)
+# --adamw-groups nanochat: its AdamW settings per group beside Muon (its gpt.py setup_optimizer)
+NANOCHAT_ADAMW = {
+    "head": {"betas": (0.8, 0.96), "weight_decay": 0.01, "eps": 1e-10},
+    "embed": {"betas": (0.8, 0.995), "weight_decay": 0.001, "eps": 1e-10},
+}
 # Each setting reapply_settings puts back after a resume: what the config says, not the checkpoint.
 OPTIMIZER_SETTINGS = (
     "lr",
@@ -36,6 +42,12 @@ OPTIMIZER_SETTINGS = (
     "eps",
     "muon_momentum",
     "muon_momentum_warmup",
+    "muon_momentum_end",
+    "muon_weight_decay_schedule",
+    "muon_orthogonalize",
+    "normuon",
+    "cautious_weight_decay",
+    "adamw_groups",
 )
 ADAMW_SETTINGS = ("lr", "weight_decay", "beta1", "beta2", "eps")  # the ones the seed's optimizer has
 
@@ -72,10 +84,27 @@ def lr_schedule(cfg: TrainConfig, step: int, peak_lr: float) -> float:
     return floor + (peak_lr - floor) * left
 
 
+def decay_start(cfg: TrainConfig) -> int:
+    """The step the LR starts to fall: wsd's decay, or the end of warmup (cosine, linear)."""
+    return cfg.max_steps - wsd_decay_steps(cfg) if cfg.schedule == "wsd" else cfg.warmup_steps
+
+
 def muon_momentum_at(cfg: TrainConfig, step: int) -> float:
-    """Muon's momentum at `step`: linear from 0.85 to muon_momentum over muon_momentum_warmup steps."""
+    """Muon's momentum at `step`: linear from 0.85 to muon_momentum over muon_momentum_warmup steps;
+    with muon_momentum_end, then linear from muon_momentum to it across the LR's decay (nanochat)."""
+    if cfg.muon_momentum_end and step >= (start := decay_start(cfg)):
+        progress = min(1.0, (step - start) / max(1, cfg.max_steps - start))
+        return cfg.muon_momentum + (cfg.muon_momentum_end - cfg.muon_momentum) * progress
     frac = min(1.0, step / cfg.muon_momentum_warmup) if cfg.muon_momentum_warmup else 1.0
     return MUON_MOMENTUM_START + (cfg.muon_momentum - MUON_MOMENTUM_START) * frac
+
+
+def muon_weight_decay_at(cfg: TrainConfig, step: int) -> float:
+    """Muon's weight decay at `step`: muon_weight_decay, or (cosine) its half-cosine from full at step 0
+    to zero at max_steps (nanochat); Muon's step shrinks by lr times it."""
+    if cfg.muon_weight_decay_schedule == "constant":
+        return cfg.muon_weight_decay
+    return cfg.muon_weight_decay * 0.5 * (1 + math.cos(math.pi * min(1.0, step / cfg.max_steps)))
 
 
 def is_tied(cfg: TrainConfig) -> bool:
@@ -157,10 +186,19 @@ def group_settings(group: dict, cfg: TrainConfig, peaks: dict[str, float]) -> di
     which): peak LR, weight decay, betas and eps; Muon's momentum is the schedule's (apply_schedule)."""
     name = group["name"]
     if name == "muon":
-        return {"peak_lr": peaks[name], "weight_decay": cfg.muon_weight_decay}
+        return {
+            "peak_lr": peaks[name],
+            "weight_decay": cfg.muon_weight_decay,
+            "orthogonalize": cfg.muon_orthogonalize,
+            "normuon_beta2": NORMUON_BETA2 if cfg.normuon else 0.0,
+            "cautious": cfg.cautious_weight_decay,
+        }
     beta1 = cfg.beta1 if name == "lr" else cfg.muon_adam_beta1  # the seed's betas for the seed's groups
     decay = cfg.weight_decay if group["decayed"] else 0.0
-    return {"peak_lr": peaks[name], "weight_decay": decay, "betas": (beta1, cfg.beta2), "eps": cfg.eps}
+    own = {"peak_lr": peaks[name], "weight_decay": decay, "betas": (beta1, cfg.beta2), "eps": cfg.eps}
+    if cfg.optimizer == "muon" and cfg.adamw_groups == "nanochat" and name in NANOCHAT_ADAMW:
+        own.update(NANOCHAT_ADAMW[name])  # nanochat decays these groups whatever the decay rule
+    return own
 
 
 def muon_adamw_groups(model: nn.Module, cfg: TrainConfig, tied: bool) -> list[dict]:
@@ -211,7 +249,7 @@ def changed_settings(saved: dict, cfg: TrainConfig) -> str:
 
 
 def apply_schedule(optimizers: list[torch.optim.Optimizer], cfg: TrainConfig, step: int) -> dict[str, float]:
-    """Every group's LR for `step` (its peak_lr on the run's schedule) and Muon's momentum;
+    """Every group's LR for `step` (its peak_lr on the run's schedule), Muon's momentum and weight decay;
     returns each group name's LR (what the dashboard and metrics.jsonl show)."""
     lrs: dict[str, float] = {}
     for optimizer in optimizers:
@@ -219,6 +257,7 @@ def apply_schedule(optimizers: list[torch.optim.Optimizer], cfg: TrainConfig, st
             group["lr"] = lrs[group["name"]] = lr_schedule(cfg, step, group["peak_lr"])
             if group["name"] == "muon":
                 group["momentum"] = muon_momentum_at(cfg, step)
+                group["weight_decay"] = muon_weight_decay_at(cfg, step)
     return lrs
 
 
