@@ -225,8 +225,8 @@ class TrainConfig:
     )
     muon_weight_decay_schedule: str = setting(
         "constant",
-        "Muon's weight decay over the run: constant, or cosine: muon_weight_decay * (1 + cos(pi * step / max_steps)) / 2, "
-        "to zero at the end (nanochat)",
+        "Muon's weight decay over the run: constant, or cosine: muon_weight_decay * (1 + cos(pi * step / "
+        "max_steps)) / 2, to zero at the end (nanochat)",
         choices=("constant", "cosine"),
         recipe=True,
     )
