@@ -153,6 +153,22 @@ class TrainConfig:
         "(modded-nanogpt; no Hugging Face export)",
         recipe=True,
     )
+    parameter_free_norms: bool | None = shape(
+        "RMSNorms without a learned weight (nanochat; QK-norm's keep theirs; no Hugging Face export)", recipe=True
+    )
+    embed_norm: bool | None = shape(
+        "an RMSNorm after the token embedding (nanochat; no Hugging Face export)", recipe=True
+    )
+    layer_scalars: bool | None = shape(
+        "per-layer scalars: block i reads resid_i * h + x0_i * the embedding, from 1.15 and 0.2 falling with depth "
+        "(modded-nanogpt, nanochat; no Hugging Face export)",
+        recipe=True,
+    )
+    backout: bool | None = shape(
+        "subtract a learned share (from 0.2) of block n_layers // 2's output before the final norm (nanochat; no "
+        "Hugging Face export)",
+        recipe=True,
+    )
     zero_init: bool = setting(
         False, "start the output projections (attention wo, MLP down) at zero (modded-nanogpt, nanochat)", recipe=True
     )

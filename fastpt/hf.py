@@ -53,7 +53,15 @@ QK_NORM_NAMES = {
 ARCHITECTURES = {False: ("llama", "LlamaForCausalLM"), True: ("qwen3", "Qwen3ForCausalLM")}  # by qk_norm
 # ModelConfig options Llama and Qwen3 cannot express, at their plain values. Gemma 2 has a logit
 # soft-cap, but also sandwich norms, (1 + w) RMSNorm scales, a scaled embedding and GeGLU: no fastpt model maps to it.
-NOT_EXPORTABLE = {"mlp": "swiglu", "logit_softcap": 0.0, "unet_skips": False}
+NOT_EXPORTABLE = {
+    "mlp": "swiglu",
+    "logit_softcap": 0.0,
+    "unet_skips": False,
+    "parameter_free_norms": False,  # Llama's norms have weights; a fastpt checkpoint has none to give
+    "embed_norm": False,
+    "layer_scalars": False,
+    "backout": False,
+}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Every file an export writes: an --out holding anything else is a user's folder, never replaced.

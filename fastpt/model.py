@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from fastpt.attention import attend, document_mask
 from fastpt.kernels import api as kernels
 from fastpt.kernels import reference
+from fastpt.nanochat_parts import Backout, LayerScalars
 from fastpt.presets import ModelConfig
 
 INIT_STD = 0.02  # GPT-2's: every weight matrix, the token embedding included
@@ -47,11 +48,16 @@ class LossOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend: str):
+    """x / rms(x) * weight; `learned` False: a weight of ones that is no parameter (nanochat's norms)."""
+
+    def __init__(self, dim: int, eps: float, backend: str, learned: bool = True):
         super().__init__()
         self.eps = eps
         self.backend = backend
-        self.weight = nn.Parameter(torch.ones(dim))
+        if learned:
+            self.weight = nn.Parameter(torch.ones(dim))
+        else:
+            self.register_buffer("weight", torch.ones(dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps, backend=self.backend)
@@ -148,9 +154,10 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: str, checkpointed: bool = False):
         super().__init__()
         self.checkpointed = checkpointed  # recompute the activations in the backward instead of keeping them
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
+        learned = not cfg.parameter_free_norms
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)
         self.attention = Attention(cfg, backend)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)
         self.feed_forward = MLPS[cfg.mlp](cfg)
 
     def forward(self, x, cos, sin, cache=None, mask=None):
@@ -215,7 +222,12 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         checkpointed = CHECKPOINTED_BLOCKS[activation_checkpointing]
         self.layers = nn.ModuleList(TransformerBlock(cfg, backend, checkpointed(i)) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend)
+        learned = not cfg.parameter_free_norms
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)
+        # nanochat's options (fastpt.nanochat_parts); None when off, so no parameter of theirs exists
+        self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned) if cfg.embed_norm else None
+        self.layer_scalars = LayerScalars(cfg.n_layers) if cfg.layer_scalars else None
+        self.backout = Backout(cfg.n_layers) if cfg.backout else None
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # U-net: one scalar per skip from block i's input to block L-1-i's output, starting at 1 (the 1-D init).
         # One block has no pair: no parameter, rather than an empty one that never gets a gradient (so no
@@ -240,6 +252,9 @@ class Transformer(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, mean=0.0, std=residual_std if is_residual else INIT_STD)
+        for part in (self.layer_scalars, self.backout):
+            if part is not None:  # their own init, not the ones above
+                part.reset_parameters()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -263,6 +278,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {past + T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
         cos, sin = self.rope_cos[past : past + T], self.rope_sin[past : past + T]  # (T, hd/2)
         h = self.tok_embeddings(idx)  # (B, T, C)
+        if self.embed_norm is not None:
+            h = self.embed_norm(h)
+        x0, middle = h, None  # the embedding every block reads back (layer scalars); the backout's block output
         # Built once for all layers; decoding with a KV cache attends causally (one document: the prompt's).
         mask = document_mask(idx, self.cfg.doc_token) if self.cfg.attention == "document" and kv_cache is None else None
         new_cache: KVCache = []
@@ -273,10 +291,16 @@ class Transformer(nn.Module):
                 skips.append(h)
             # An empty list starts a cache (the prompt's prefill); None means no cache at all.
             layer_cache = None if kv_cache is None else (kv_cache[i] if kv_cache else ())
+            if self.layer_scalars is not None:
+                h = self.layer_scalars(i, h, x0)
             h, layer_cache = layer(h, cos, sin, layer_cache, mask)
             new_cache.append(layer_cache)
             if i >= len(self.layers) - n_skips:  # block L-1-j takes block j's input, the last first
                 h = h + self.skip_weights[len(self.layers) - 1 - i] * skips.pop()
+            if self.backout is not None and i == self.backout.layer:
+                middle = h
+        if self.backout is not None:
+            h = self.backout(h, middle)
         h = self.norm(h)  # (B, T, C)
         if labels is not None:
             # The fused kernel never materializes the (B*T, V) logits, soft-capped or not.

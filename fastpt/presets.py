@@ -35,6 +35,12 @@ class ModelConfig:
     mlp: str = "swiglu"  # or relu2: relu(x W1)^2 W2 (modded-nanogpt, nanochat), two matrices to SwiGLU's three
     logit_softcap: float = 0.0  # > 0: the LM head's logits are cap * tanh(logits / cap) (Gemma 2, nanochat)
     unet_skips: bool = False  # block i's input joins block L-1-i's output, by a learned scalar (modded-nanogpt)
+    # nanochat's (fastpt.nanochat_parts): norms without a learned weight, a norm after the embedding,
+    # per-layer scalars on the residual stream and the embedding, the middle block's output backed out
+    parameter_free_norms: bool = False
+    embed_norm: bool = False
+    layer_scalars: bool = False
+    backout: bool = False
     # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
     # document, which doc_token (the data's meta.json eot_id) starts. Export is a causal Llama either way.
     attention: str = "causal"
@@ -53,10 +59,12 @@ class ModelConfig:
         d, hd = self.dim, self.head_dim
         attention = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2  # wq, wo; wk, wv
         mlp = (3 if self.mlp == "swiglu" else 2) * d * self.ffn_dim
-        block = attention + mlp + 2 * d + (2 * hd if self.qk_norm else 0)  # + norms
+        norm = 0 if self.parameter_free_norms else d
+        block = attention + mlp + 2 * norm + (2 * hd if self.qk_norm else 0)  # + norms
         head = 0 if self.tie_embeddings else self.vocab_size * d
         skips = self.n_layers // 2 if self.unet_skips else 0
-        return self.vocab_size * d + self.n_layers * block + d + head + skips
+        nanochat = norm * self.embed_norm + 2 * self.n_layers * self.layer_scalars + self.backout
+        return self.vocab_size * d + self.n_layers * block + norm + head + skips + nanochat
 
     def flops_per_token(self, seq_len: int) -> float:
         """MFU's numerator, the model's training FLOPs (forward and backward) per token whatever kernels

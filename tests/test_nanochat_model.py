@@ -1,0 +1,137 @@
+"""nanochat's model options (--parameter-free-norms, --embed-norm, --layer-scalars, --backout): what each
+computes, its parameters and their init, at their neutral values the plain model, compiled in one graph,
+a run that resumes exactly, and export's one-line refusal (DDP and FSDP: tests/test_distributed.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+
+from conftest import assert_one_line_error, run_main
+from fastpt import checkpoint, export, hf, train
+from fastpt.config import PRESETS
+from fastpt.errors import ConfigError
+from fastpt.model import Transformer
+
+CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
+OPTIONS = {"parameter_free_norms": True, "embed_norm": True, "layer_scalars": True, "backout": True}
+FLAGS = ("--parameter-free-norms", "--embed-norm", "--layer-scalars", "--backout")
+
+
+def model(**options) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(dataclasses.replace(CFG, **options))
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(m: Transformer) -> torch.Tensor:
+    with torch.no_grad():
+        return m(tokens()).logits
+
+
+@pytest.mark.parametrize("key", OPTIONS)
+def test_each_option_changes_the_model_and_counts_its_parameters(key):
+    plain, changed = model(), model(**{key: True})
+    assert changed.num_params() == changed.cfg.num_params() != plain.num_params()
+    if key != "parameter_free_norms":  # its ones compute what the plain model's ones do at init
+        assert not torch.equal(logits(plain), logits(changed))
+    everything = model(**OPTIONS)
+    assert everything.num_params() == everything.cfg.num_params()
+
+
+def test_parameter_free_norms_have_no_weight_to_learn_or_save():
+    plain, free = model(), model(parameter_free_norms=True)
+    torch.testing.assert_close(logits(free), logits(plain), rtol=0, atol=0)  # the same ones, at init
+    assert not [n for n, _ in free.named_parameters() if "norm" in n]
+    assert not [k for k in free.state_dict() if "norm" in k]
+    assert {n for n, _ in plain.named_parameters() if "norm" in n} == {
+        "norm.weight",
+        *(f"layers.{i}.{norm}.weight" for i in range(3) for norm in ("attention_norm", "ffn_norm")),
+    }
+
+
+def test_the_embed_norm_makes_the_blocks_input_blind_to_the_embeddings_scale():
+    for norm, same in ((False, False), (True, True)):
+        m = model(embed_norm=norm, tie_embeddings=False)
+        before = logits(m)
+        with torch.no_grad():
+            m.tok_embeddings.weight.mul_(10)
+        assert torch.allclose(logits(m), before, atol=1e-5) == same
+
+
+def test_layer_scalars_start_as_nanochats_and_at_one_and_zero_are_the_plain_model():
+    scaled = model(layer_scalars=True)
+    torch.testing.assert_close(scaled.layer_scalars.resid.detach(), torch.tensor([1.15, 1.10, 1.05]))
+    torch.testing.assert_close(scaled.layer_scalars.x0.detach(), torch.tensor([0.20, 0.125, 0.05]))
+    with torch.no_grad():
+        scaled.layer_scalars.resid.fill_(1.0)
+        scaled.layer_scalars.x0.zero_()
+    torch.testing.assert_close(logits(scaled), logits(model()), rtol=0, atol=0)
+
+
+def test_backout_takes_a_share_of_the_middle_blocks_output_from_the_last_hidden_state():
+    m = model(backout=True)
+    assert m.backout.layer == 1 and m.backout.weight.item() == pytest.approx(0.2)
+    seen = {}
+    m.layers[1].register_forward_hook(lambda _, __, out: seen.update(middle=out[0]))
+    m.layers[2].register_forward_hook(lambda _, __, out: seen.update(last=out[0]))
+    m.norm.register_forward_hook(lambda _, args, __: seen.update(normed=args[0]))
+    logits(m)
+    torch.testing.assert_close(seen["normed"], seen["last"] - 0.2 * seen["middle"])
+    with torch.no_grad():
+        m.backout.weight.zero_()
+    torch.testing.assert_close(logits(m), logits(model()), rtol=0, atol=0)
+
+
+def test_the_options_decode_with_a_kv_cache_as_without():
+    m = model(**OPTIONS)
+    x = tokens()
+    with torch.no_grad():
+        full = m(x).logits
+        out = m(x[:, :-1], kv_cache=[])
+        last = m(x[:, -1:], kv_cache=out.cache).logits
+    torch.testing.assert_close(last[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key", OPTIONS)
+def test_each_option_is_refused_by_export_with_one_line_naming_it(key):
+    with pytest.raises(ConfigError, match=f"'{key}' = True: no Hugging Face architecture"):
+        hf.to_hf_config(dataclasses.replace(CFG, **{key: True}), torch.float32, 0, 0)
+
+
+def test_a_run_with_every_option_resumes_exactly_and_refuses_export(tiny_data, tmp_path, capsys):
+    from test_reliability import records, run_args
+
+    reference = [*run_args(tiny_data, tmp_path / "reference", *FLAGS), "--keep-checkpoints", "3"]
+    assert run_main(train.main, reference, capsys)[0] == 0
+    (tmp_path / "run").mkdir()
+    shutil.copy(tmp_path / "reference" / "ckpt_00000004.pt", tmp_path / "run")
+    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *FLAGS), "--resume"], capsys)
+    assert code == 0 and "at step 4" in out, err
+    assert records(tmp_path / "run") == [r for r in records(tmp_path / "reference") if r["step"] > 4]
+    loaded, _ = checkpoint.load_model(checkpoint.latest(tmp_path / "run"), torch.device("cpu"))
+    assert {k: getattr(loaded.cfg, k) for k in OPTIONS} == OPTIONS
+    code, _, err = run_main(export.main, [str(tmp_path / "run"), "--out", str(tmp_path / "hf")], capsys)
+    assert_one_line_error(code, err, "'parameter_free_norms' = True", "no Hugging Face architecture")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_every_option_compiles_in_one_graph_without_recompiles():
+    import torch._dynamo
+
+    m = model(**OPTIONS)
+    compiled = torch.compile(m, fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            x = tokens(seed)
+            loss = compiled(x, labels=x.roll(-1, 1)).loss
+            loss.backward()
+            torch.testing.assert_close(loss, m(x, labels=x.roll(-1, 1)).loss, atol=1e-5, rtol=1e-5)
