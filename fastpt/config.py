@@ -169,8 +169,21 @@ class TrainConfig:
         "Hugging Face export)",
         recipe=True,
     )
+    qk_norm_scale: float | None = shape(
+        "QK-norm after RoPE: each head's queries and keys RMS-normed, no weight, times this (nanochat: 1.2); 0 = off "
+        "(no Hugging Face export)",
+        recipe=True,
+    )
     zero_init: bool = setting(
         False, "start the output projections (attention wo, MLP down) at zero (modded-nanogpt, nanochat)", recipe=True
+    )
+    init: str = setting(
+        "gpt2",
+        "the weights' start: gpt2: N(0, 0.02), output projections scaled by 1/sqrt(2 n_layers) (--zero-init: zero); "
+        "nanochat: the embedding N(0, 0.8) and untied head N(0, 0.001), q, k, v uniform at std 1/sqrt(dim), the MLP's "
+        "input at 0.4 of that, output projections zero (give --embed-lr for an embedding at that scale)",
+        choices=("gpt2", "nanochat"),
+        recipe=True,
     )
     # optimisation: the seed's values
     max_steps: int = setting(10000, "optimizer steps", domain=COUNT)
@@ -448,6 +461,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(
             f"'compile_mode' = {cfg.compile_mode!r} (CUDA graphs) needs 'grad_accum' = 1, "
             f"got {cfg.grad_accum}: raise micro_batch instead"
+        )
+    tied = cfg.tie_embeddings if cfg.tie_embeddings is not None else PRESETS[cfg.preset].tie_embeddings
+    if cfg.init == "nanochat" and tied:
+        raise ConfigError(
+            "'init' = 'nanochat' needs an untied head (--no-tie-embeddings): it starts the embedding at std 0.8, "
+            "the head at 0.001"
         )
     if cfg.plan_gpu:  # a train run checks it too: config.toml keeps only values that plan
         gpus.card(cfg.plan_gpu)

@@ -88,6 +88,9 @@ class Attention(nn.Module):
         # QK-norm: one learned scale of head_dim shared by every head, as Qwen3's q_norm / k_norm.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend) if cfg.qk_norm else None
+        # nanochat's QK-norm: after RoPE, no weight, both sides times qk_norm_scale (sharper attention)
+        self.qk_scale = cfg.qk_norm_scale
+        self.rope_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend, learned=False) if cfg.qk_norm_scale else None
 
     def forward(self, x, cos, sin, cache: tuple | None = None, mask=None):
         """cache None (training): returns (y, None), so no view of k and v outlives the call.
@@ -101,6 +104,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over hd, before RoPE
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rope_norm is not None:
+            q, k = self.rope_norm(q) * self.qk_scale, self.rope_norm(k) * self.qk_scale
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         if cache:
             if T > 1:

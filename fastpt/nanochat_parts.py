@@ -4,10 +4,14 @@ the backout of a middle block's output from the last hidden state."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
 BACKOUT_INIT = 0.2  # the share of the middle block's output taken out at the start (nanochat's)
+EMBED_STD, HEAD_STD = 0.8, 0.001  # --init nanochat: the token embedding's and the untied head's normal std
+MLP_IN_SHARE = 0.4  # the MLP's input matrices start at this share of the attention inputs' scale
 
 
 class LayerScalars(nn.Module):
@@ -50,3 +54,23 @@ class Backout(nn.Module):
 
     def forward(self, h: torch.Tensor, middle: torch.Tensor) -> torch.Tensor:
         return h - self.weight * middle
+
+
+@torch.no_grad()
+def nanochat_init(model: nn.Module) -> None:
+    """--init nanochat, on a fastpt Transformer (untied): the embedding at N(0, 0.8), the head at
+    N(0, 0.001); the attention's q, k, v uniform with std 1 / sqrt(dim) (a uniform has no outliers),
+    the MLP's input matrices at 0.4 of that; the output projections (attention wo, MLP down) at zero,
+    so every block starts as the identity. Everything else keeps the model's own init."""
+    bound = math.sqrt(3 / model.cfg.dim)  # the uniform on [-b, b] has std b / sqrt(3)
+    for name, p in model.named_parameters():
+        if name == "tok_embeddings.weight":
+            nn.init.normal_(p, std=EMBED_STD)
+        elif name == "output.weight":
+            nn.init.normal_(p, std=HEAD_STD)
+        elif name.endswith(("wo.weight", "w2.weight")):
+            nn.init.zeros_(p)
+        elif name.endswith(("wq.weight", "wk.weight", "wv.weight")):
+            nn.init.uniform_(p, -bound, bound)
+        elif name.endswith(("w1.weight", "w3.weight")):
+            nn.init.uniform_(p, -MLP_IN_SHARE * bound, MLP_IN_SHARE * bound)

@@ -15,6 +15,7 @@ MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a b
 MAX_SEQ_LEN = 2**20
 ATTENTIONS = ("causal", "document")
 MLPS = ("swiglu", "relu2")
+QK_NORM_SCALE_MAX = 100.0  # unit-RMS queries and keys times this: past ~10 the softmax is one-hot anyway
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ModelConfig:
     embed_norm: bool = False
     layer_scalars: bool = False
     backout: bool = False
+    qk_norm_scale: float = 0.0  # > 0: queries and keys RMS-normed after RoPE, no weight, times this (nanochat's 1.2)
     # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
     # document, which doc_token (the data's meta.json eot_id) starts. Export is a causal Llama either way.
     attention: str = "causal"
@@ -122,6 +124,11 @@ class ModelConfig:
             raise ConfigError(f"'mlp' = {self.mlp!r} is not one of {', '.join(map(repr, MLPS))}")
         if self.logit_softcap not in SOFTCAP:
             raise ConfigError(f"'logit_softcap' must be {SOFTCAP}, got {self.logit_softcap}")
+        if not (0 <= self.qk_norm_scale <= QK_NORM_SCALE_MAX and math.isfinite(self.qk_norm_scale)):
+            scale, most = self.qk_norm_scale, QK_NORM_SCALE_MAX
+            raise ConfigError(f"'qk_norm_scale' must be in [0, {most:g}] (0 = off), got {scale}")
+        if self.qk_norm and self.qk_norm_scale:
+            raise ConfigError("'qk_norm' (before RoPE) and 'qk_norm_scale' (after RoPE) are two QK-norms: pick one")
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"'attention' = {self.attention!r} is not one of {', '.join(map(repr, ATTENTIONS))}")
         if self.attention == "document" and not (

@@ -17,6 +17,7 @@ from fastpt import distributed, float8
 from fastpt.config import DTYPES, ModelConfig, TrainConfig
 from fastpt.data.loader import TrainLoader
 from fastpt.model import Transformer
+from fastpt.nanochat_parts import nanochat_init
 from fastpt.optim import optimizers_for, step_all
 
 
@@ -179,13 +180,16 @@ def build_model(
     init_weights: dict | None = None,
     kernels: str | None = None,
 ) -> Net:
-    """The seeded model (--init-from's weights if given; --zero-init zeroes its output projections),
+    """The seeded model (--init-from's weights if given; --zero-init zeroes its output projections, --init
+    nanochat starts it as nanochat's),
     float8, compiled and parallelized in torchtitan's order, its optimizers and precision. `kernels`
     overrides cfg.kernels (a kernel that failed its check: selfcheck.kernel_backend)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     raw = Transformer(mcfg, kernels or cfg.kernels, cfg.z_loss, cfg.activation_checkpointing, cfg.zero_init)
+    if cfg.init == "nanochat":
+        nanochat_init(raw)
     if init_weights is not None:
         raw.load_state_dict(init_weights)
     if raw.output_weight.device != device:  # built in place already: fastpt.plan's fake model cannot be moved
