@@ -169,6 +169,11 @@ class TrainConfig:
         "Hugging Face export)",
         recipe=True,
     )
+    value_embeds: bool | None = shape(
+        "value embeddings: every other block (the last included) adds a token embedding of its own to its attention "
+        "values, through a gate per key/value head (ResFormer; nanochat; no Hugging Face export)",
+        recipe=True,
+    )
     qk_norm_scale: float | None = shape(
         "QK-norm after RoPE: each head's queries and keys RMS-normed, no weight, times this (nanochat: 1.2); 0 = off "
         "(no Hugging Face export)",

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from fastpt.attention import attend, document_mask
 from fastpt.kernels import api as kernels
 from fastpt.kernels import reference
-from fastpt.nanochat_parts import Backout, LayerScalars
+from fastpt.nanochat_parts import OWN_INIT, Backout, LayerScalars, ValueEmbeddings, ValueGate, has_value_embed
 from fastpt.presets import ModelConfig
 
 INIT_STD = 0.02  # GPT-2's: every weight matrix, the token embedding included
@@ -78,7 +78,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, backend: str = "auto", value_embed: bool = False):
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
@@ -91,16 +91,19 @@ class Attention(nn.Module):
         # nanochat's QK-norm: after RoPE, no weight, both sides times qk_norm_scale (sharper attention)
         self.qk_scale = cfg.qk_norm_scale
         self.rope_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, backend, learned=False) if cfg.qk_norm_scale else None
+        self.value_gate = ValueGate(cfg.dim, cfg.kv_heads) if value_embed else None  # --value-embeds
 
-    def forward(self, x, cos, sin, cache: tuple | None = None, mask=None):
+    def forward(self, x, cos, sin, cache: tuple | None = None, mask=None, ve=None):
         """cache None (training): returns (y, None), so no view of k and v outlives the call.
         cache () (a prompt's prefill) or (k, v) (decoding one token after it): returns (y, the
         cache extended by this call's keys and values). mask: a document mask (attention.py), or
-        None for the causal one."""
+        None for the causal one. ve: this block's value embedding (--value-embeds), gated into v."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
         k = self.wk(x).view(B, T, self.kv_heads, self.head_dim)  # (B, T, Hkv, hd)
         v = self.wv(x).view(B, T, self.kv_heads, self.head_dim)
+        if ve is not None:
+            v = self.value_gate(x, v, ve)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # over hd, before RoPE
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -156,24 +159,24 @@ def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str, checkpointed: bool = False):
+    def __init__(self, cfg: ModelConfig, backend: str, checkpointed: bool = False, value_embed: bool = False):
         super().__init__()
         self.checkpointed = checkpointed  # recompute the activations in the backward instead of keeping them
         learned = not cfg.parameter_free_norms
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)
-        self.attention = Attention(cfg, backend)
+        self.attention = Attention(cfg, backend, value_embed)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)
         self.feed_forward = MLPS[cfg.mlp](cfg)
 
-    def forward(self, x, cos, sin, cache=None, mask=None):
+    def forward(self, x, cos, sin, cache=None, mask=None, ve=None):
         if self.checkpointed and self.training and cache is None:
             # Inside the block, so a compiled block (and FSDP's unit, the block) sees it; non-reentrant
             # as PyTorch advises. Nothing in a block is random: no RNG state to save and restore.
-            return checkpoint(self._forward, x, cos, sin, None, mask, use_reentrant=False, preserve_rng_state=False)
-        return self._forward(x, cos, sin, cache, mask)
+            return checkpoint(self._forward, x, cos, sin, None, mask, ve, use_reentrant=False, preserve_rng_state=False)
+        return self._forward(x, cos, sin, cache, mask, ve)
 
-    def _forward(self, x, cos, sin, cache=None, mask=None):
-        a, new_cache = self.attention(self.attention_norm(x), cos, sin, cache, mask)
+    def _forward(self, x, cos, sin, cache=None, mask=None, ve=None):
+        a, new_cache = self.attention(self.attention_norm(x), cos, sin, cache, mask, ve)
         x = x + a
         x = x + self.feed_forward(self.ffn_norm(x))
         return x, new_cache
@@ -226,13 +229,20 @@ class Transformer(nn.Module):
         self.cfg, self.backend, self.z_loss = cfg, backend, z_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         checkpointed = CHECKPOINTED_BLOCKS[activation_checkpointing]
-        self.layers = nn.ModuleList(TransformerBlock(cfg, backend, checkpointed(i)) for i in range(cfg.n_layers))
+        value_embed = lambda i: cfg.value_embeds and has_value_embed(i, cfg.n_layers)
+        self.layers = nn.ModuleList(
+            TransformerBlock(cfg, backend, checkpointed(i), value_embed(i)) for i in range(cfg.n_layers)
+        )
         learned = not cfg.parameter_free_norms
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)
         # nanochat's options (fastpt.nanochat_parts); None when off, so no parameter of theirs exists
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned) if cfg.embed_norm else None
         self.layer_scalars = LayerScalars(cfg.n_layers) if cfg.layer_scalars else None
         self.backout = Backout(cfg.n_layers) if cfg.backout else None
+        value_dim = cfg.kv_heads * cfg.head_dim
+        self.value_embeds = (
+            ValueEmbeddings(cfg.n_layers, cfg.vocab_size, value_dim, cfg.dim) if cfg.value_embeds else None
+        )
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # U-net: one scalar per skip from block i's input to block L-1-i's output, starting at 1 (the 1-D init).
         # One block has no pair: no parameter, rather than an empty one that never gets a gradient (so no
@@ -257,8 +267,8 @@ class Transformer(nn.Module):
                 nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, mean=0.0, std=residual_std if is_residual else INIT_STD)
-        for part in (self.layer_scalars, self.backout):
-            if part is not None:  # their own init, not the ones above
+        for part in self.modules():
+            if isinstance(part, OWN_INIT):  # their own init, not the ones above
                 part.reset_parameters()
 
     @property
@@ -298,7 +308,8 @@ class Transformer(nn.Module):
             layer_cache = None if kv_cache is None else (kv_cache[i] if kv_cache else ())
             if self.layer_scalars is not None:
                 h = self.layer_scalars(i, h, x0)
-            h, layer_cache = layer(h, cos, sin, layer_cache, mask)
+            ve = None if self.value_embeds is None else self.value_embeds(i, idx)
+            h, layer_cache = layer(h, cos, sin, layer_cache, mask, ve)
             new_cache.append(layer_cache)
             if i >= len(self.layers) - n_skips:  # block L-1-j takes block j's input, the last first
                 h = h + self.skip_weights[len(self.layers) - 1 - i] * skips.pop()

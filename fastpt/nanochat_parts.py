@@ -56,6 +56,60 @@ class Backout(nn.Module):
         return h - self.weight * middle
 
 
+def has_value_embed(layer: int, n_layers: int) -> bool:
+    """--value-embeds: every other block, counted back from the last (which always has one)."""
+    return layer % 2 == (n_layers - 1) % 2
+
+
+class ValueEmbeddings(nn.Module):
+    """A token embedding of the values' width (kv_heads x head_dim) for each block has_value_embed picks,
+    looked up from the input tokens and added to that block's attention values through a ValueGate
+    (value residual learning, ResFormer; modded-nanogpt, nanochat). Initialized uniform at std
+    1 / sqrt(dim), as nanochat's value projections."""
+
+    def __init__(self, n_layers: int, vocab_size: int, value_dim: int, dim: int):
+        super().__init__()
+        self.dim = dim
+        layers = [i for i in range(n_layers) if has_value_embed(i, n_layers)]
+        self.tables = nn.ModuleDict({str(i): nn.Embedding(vocab_size, value_dim) for i in layers})
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        bound = math.sqrt(3 / self.dim)
+        for table in self.tables.values():
+            nn.init.uniform_(table.weight, -bound, bound)
+
+    def forward(self, i: int, idx: torch.Tensor) -> torch.Tensor | None:
+        """Block i's value embedding of idx (B, T, value_dim); None for a block without one."""
+        return self.tables[str(i)](idx) if str(i) in self.tables else None
+
+
+class ValueGate(nn.Module):
+    """v + gate * ve per key/value head, the gate 3 * sigmoid(x[..., :12] W) read from the first 12
+    channels of the attention's input (nanochat's), so in (0, 3); W starts uniform in [0, 0.02], the
+    gates just above 1.5."""
+
+    channels, most = 12, 3.0
+
+    def __init__(self, dim: int, kv_heads: int):
+        super().__init__()
+        self.proj = nn.Linear(min(self.channels, dim), kv_heads, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.proj.weight, 0.0, 0.02)
+
+    def forward(self, x: torch.Tensor, v: torch.Tensor, ve: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) the attention's input, v (B, T, Hkv, hd), ve (B, T, Hkv * hd)."""
+        gate = self.most * torch.sigmoid(self.proj(x[..., : self.proj.in_features]))  # (B, T, Hkv)
+        return v + gate.unsqueeze(-1) * ve.view_as(v)
+
+
+OWN_INIT = (LayerScalars, Backout, ValueEmbeddings, ValueGate)  # parts whose reset_parameters is their init
+
+
 @torch.no_grad()
 def nanochat_init(model: nn.Module) -> None:
     """--init nanochat, on a fastpt Transformer (untied): the embedding at N(0, 0.8), the head at

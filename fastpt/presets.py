@@ -42,6 +42,7 @@ class ModelConfig:
     embed_norm: bool = False
     layer_scalars: bool = False
     backout: bool = False
+    value_embeds: bool = False  # a gated value embedding in every other block, the last included (nanochat)
     qk_norm_scale: float = 0.0  # > 0: queries and keys RMS-normed after RoPE, no weight, times this (nanochat's 1.2)
     # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
     # document, which doc_token (the data's meta.json eot_id) starts. Export is a causal Llama either way.
@@ -66,6 +67,9 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * d
         skips = self.n_layers // 2 if self.unet_skips else 0
         nanochat = norm * self.embed_norm + 2 * self.n_layers * self.layer_scalars + self.backout
+        if self.value_embeds:  # a table and a gate (12 channels to each KV head) in every other block
+            blocks = (self.n_layers + 1) // 2
+            nanochat += blocks * (self.vocab_size * self.kv_heads * hd + min(12, d) * self.kv_heads)
         return self.vocab_size * d + self.n_layers * block + norm + head + skips + nanochat
 
     def flops_per_token(self, seq_len: int) -> float:
