@@ -259,17 +259,21 @@ class Transformer(nn.Module):
         zero_init: those projections (attention wo, MLP down) at zero instead, so each block
         starts as the identity (modded-nanogpt, nanochat)."""
         residual_std = INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        # nanochat's parts init themselves, last, so the other weights draw what they draw without them
+        parts = [m for m in self.modules() if isinstance(m, OWN_INIT)]
+        own = {id(p) for part in parts for p in part.parameters()}
         for name, p in self.named_parameters():
             is_residual = name.endswith(("wo.weight", "w2.weight"))
+            if id(p) in own:
+                continue
             if p.dim() < 2:
                 nn.init.ones_(p)
             elif is_residual and zero_init:
                 nn.init.zeros_(p)
             else:
                 nn.init.normal_(p, mean=0.0, std=residual_std if is_residual else INIT_STD)
-        for part in self.modules():
-            if isinstance(part, OWN_INIT):  # their own init, not the ones above
-                part.reset_parameters()
+        for part in parts:
+            part.reset_parameters()
 
     @property
     def output_weight(self) -> torch.Tensor:

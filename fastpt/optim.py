@@ -23,11 +23,20 @@ from fastpt.presets import PRESETS
 EMBED_LR_768, HEAD_LR_768 = 0.2 * INIT_STD, 0.004
 MUON_MOMENTUM_START = 0.85  # Muon's momentum warms up from here (nanochat, modded-nanogpt)
 NORMUON_BETA2 = 0.9  # NorMuon's running mean square (nanochat's)
-# --adamw-groups nanochat: its AdamW settings per group beside Muon (its gpt.py setup_optimizer)
+# --adamw-groups nanochat: its AdamW settings per group beside Muon (its gpt.py setup_optimizer): the
+# head, the embedding, the value embeddings and the scalars (fastpt.nanochat_parts), each its own
 NANOCHAT_ADAMW = {
     "head": {"betas": (0.8, 0.96), "weight_decay": 0.01, "eps": 1e-10},
     "embed": {"betas": (0.8, 0.995), "weight_decay": 0.001, "eps": 1e-10},
+    "value_embed": {"betas": (0.8, 0.995), "weight_decay": 0.01, "eps": 1e-10},
+    "resid": {"betas": (0.8, 0.95), "weight_decay": 0.05, "eps": 1e-10},
+    "x0": {"betas": (0.96, 0.95), "weight_decay": 0.0, "eps": 1e-10},
+    "scalar": {"betas": (0.8, 0.95), "weight_decay": 0.0, "eps": 1e-10},
 }
+# nanochat's peak LRs for its scalars, whatever the width: 0.01 x its scalar LR 0.5 for the residual
+# scalars, 0.5 for the x0 scalars, 0.2 for the backout's; the value embeddings take half the embedding's
+NANOCHAT_SCALAR_LRS = {"resid": 0.005, "x0": 0.5, "scalar": 0.2}
+SCALAR_ROLES = {"layer_scalars.resid": "resid", "layer_scalars.x0": "x0", "backout.weight": "scalar"}
 # Each setting reapply_settings puts back after a resume: what the config says, not the checkpoint.
 OPTIMIZER_SETTINGS = (
     "lr",
@@ -175,10 +184,22 @@ def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
     return name.startswith("layers.") and p.dim() == 2
 
 
-def adamw_role(name: str) -> str:
+def adamw_role(name: str, cfg: TrainConfig) -> str:
     """Which peak LR an AdamW parameter takes under --optimizer muon: the head's (a tied embedding
-    is the head too), the embedding's, or --lr (the norms)."""
+    is the head too), the embedding's, the value embeddings' or --lr (the norms; the scalars too,
+    which --adamw-groups nanochat gives groups of their own)."""
+    if name.startswith("value_embeds."):
+        return "value_embed"
+    if cfg.adamw_groups == "nanochat" and name in SCALAR_ROLES:
+        return SCALAR_ROLES[name]
     return {"output.weight": "head", "tok_embeddings.weight": "embed"}.get(name, "lr")
+
+
+def role_peak_lrs(cfg: TrainConfig, dim: int) -> dict[str, float]:
+    """The peak LRs of the roles beyond peak_lrs's: the value embeddings at half the untied embedding's
+    (nanochat's), and under --adamw-groups nanochat its scalars' (NANOCHAT_SCALAR_LRS)."""
+    embed = cfg.embed_lr or EMBED_LR_768 * (dim / 768) ** -0.5
+    return {"value_embed": 0.5 * embed, **(NANOCHAT_SCALAR_LRS if cfg.adamw_groups == "nanochat" else {})}
 
 
 def group_settings(group: dict, cfg: TrainConfig, peaks: dict[str, float]) -> dict:
@@ -206,7 +227,7 @@ def muon_adamw_groups(model: nn.Module, cfg: TrainConfig, tied: bool) -> list[di
     groups: dict[tuple[str, bool], list] = {}
     for name, p in model.named_parameters():
         if p.requires_grad and not is_muon_matrix(name, p):
-            role = "head" if tied and name == "tok_embeddings.weight" else adamw_role(name)
+            role = "head" if tied and name == "tok_embeddings.weight" else adamw_role(name, cfg)
             groups.setdefault((role, is_decayed(name, p, cfg.decay_rule)), []).append(p)
     return [{"params": params, "name": role, "decayed": decayed} for (role, decayed), params in groups.items()]
 
@@ -236,7 +257,7 @@ def reapply_settings(
     """Every group's hyperparameters as the config says: after a resume loaded the checkpoint's
     (set_optimizer_state_dict restores each group's saved ones), a changed --lr, --muon-lr,
     --weight-decay, betas or momentum applies."""
-    peaks = peak_lrs(cfg, dim, tied)
+    peaks = peak_lrs(cfg, dim, tied) | (role_peak_lrs(cfg, dim) if cfg.optimizer == "muon" else {})
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group.update(group_settings(group, cfg, peaks))
@@ -250,8 +271,8 @@ def changed_settings(saved: dict, cfg: TrainConfig) -> str:
 
 def apply_schedule(optimizers: list[torch.optim.Optimizer], cfg: TrainConfig, step: int) -> dict[str, float]:
     """Every group's LR for `step` (its peak_lr on the run's schedule), Muon's momentum and weight decay;
-    returns each group name's LR (what the dashboard and metrics.jsonl show)."""
-    lrs: dict[str, float] = {}
+    returns each group name's LR and --lr's as "lr" (what the dashboard and metrics.jsonl show)."""
+    lrs = {"lr": lr_schedule(cfg, step, cfg.lr)}  # --lr's, logged even where no group is left at it
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lrs[group["name"]] = lr_schedule(cfg, step, group["peak_lr"])

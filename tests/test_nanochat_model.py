@@ -1,6 +1,7 @@
-"""nanochat's model options (--parameter-free-norms, --embed-norm, --layer-scalars, --backout): what each
-computes, its parameters and their init, at their neutral values the plain model, compiled in one graph,
-a run that resumes exactly, and export's one-line refusal (DDP and FSDP: tests/test_distributed.py)."""
+"""nanochat's model options (--parameter-free-norms, --embed-norm, --layer-scalars, --backout,
+--value-embeds, --qk-norm-scale) and its init (--init nanochat): what each computes, its parameters and
+their init and optimizer groups, at their neutral values the plain model, compiled in one graph, a run
+that resumes exactly, and export's one-line refusal (DDP and FSDP: tests/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,25 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_main
+from conftest import TINY, assert_one_line_error, run_main, train_refuses
 from fastpt import checkpoint, export, hf, train
-from fastpt.config import PRESETS
+from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import ConfigError
 from fastpt.model import Transformer
+from fastpt.nanochat_parts import ValueGate, nanochat_init
+from fastpt.optim import optimizers_for
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
-OPTIONS = {"parameter_free_norms": True, "embed_norm": True, "layer_scalars": True, "backout": True}
-FLAGS = ("--parameter-free-norms", "--embed-norm", "--layer-scalars", "--backout")
+OPTIONS = {
+    "parameter_free_norms": True,
+    "embed_norm": True,
+    "layer_scalars": True,
+    "backout": True,
+    "value_embeds": True,
+    "qk_norm_scale": 1.2,
+}
+FLAGS = ("--parameter-free-norms", "--embed-norm", "--layer-scalars", "--backout", "--value-embeds")
+FLAGS = (*FLAGS, "--qk-norm-scale", "1.2", "--init", "nanochat", "--no-tie-embeddings")
 
 
 def model(**options) -> Transformer:
@@ -37,8 +48,9 @@ def logits(m: Transformer) -> torch.Tensor:
 
 @pytest.mark.parametrize("key", OPTIONS)
 def test_each_option_changes_the_model_and_counts_its_parameters(key):
-    plain, changed = model(), model(**{key: True})
-    assert changed.num_params() == changed.cfg.num_params() != plain.num_params()
+    plain, changed = model(), model(**{key: OPTIONS[key]})
+    assert changed.num_params() == changed.cfg.num_params()
+    assert (changed.num_params() == plain.num_params()) == (key == "qk_norm_scale")  # the only one of no weights
     if key != "parameter_free_norms":  # its ones compute what the plain model's ones do at init
         assert not torch.equal(logits(plain), logits(changed))
     everything = model(**OPTIONS)
@@ -89,6 +101,79 @@ def test_backout_takes_a_share_of_the_middle_blocks_output_from_the_last_hidden_
     torch.testing.assert_close(logits(m), logits(model()), rtol=0, atol=0)
 
 
+def test_value_embeddings_sit_in_every_other_block_from_the_last_and_at_zero_are_the_plain_model():
+    for n_layers, blocks in ((3, {0, 2}), (4, {1, 3})):
+        m = model(value_embeds=True, n_layers=n_layers)
+        assert set(map(int, m.value_embeds.tables)) == blocks
+        assert {i for i, layer in enumerate(m.layers) if layer.attention.value_gate is not None} == blocks
+    m, plain = model(value_embeds=True), model()
+    assert plain.load_state_dict(m.state_dict(), strict=False).unexpected_keys  # the same weights, less its own
+    assert not torch.equal(logits(m), logits(plain))
+    with torch.no_grad():
+        for table in m.value_embeds.tables.values():
+            table.weight.zero_()
+    torch.testing.assert_close(logits(m), logits(plain), rtol=0, atol=0)
+
+
+def test_the_value_gate_is_three_sigmoids_per_kv_head_of_the_first_12_channels():
+    gate = ValueGate(dim=32, kv_heads=2)
+    assert gate.proj.weight.shape == (2, 12) and 0 <= gate.proj.weight.min() <= gate.proj.weight.max() <= 0.02
+    x, v, ve = torch.randn(1, 5, 32), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 16)
+    with torch.no_grad():
+        gate.proj.weight.zero_()
+        torch.testing.assert_close(gate(x, v, ve), v + 1.5 * ve.view_as(v))  # 3 * sigmoid(0)
+        gate.proj.weight[1].fill_(100.0)  # head 1 saturates at 3 where its channels sum above 0
+        x[..., :12] = 1.0
+        torch.testing.assert_close(gate(x, v, ve)[..., 1, :], v[..., 1, :] + 3 * ve.view_as(v)[..., 1, :])
+
+
+def test_qk_norm_after_rope_makes_attention_blind_to_the_scale_of_wq_and_wk():
+    for scale, same in ((0.0, False), (1.2, True)):
+        m = model(qk_norm_scale=scale)
+        before = logits(m)
+        with torch.no_grad():
+            for layer in m.layers:
+                layer.attention.wq.weight.mul_(7)
+                layer.attention.wk.weight.mul_(3)
+        assert torch.allclose(logits(m), before, atol=1e-5) == same
+    assert not torch.equal(logits(model(qk_norm_scale=1.2)), logits(model(qk_norm_scale=1.0)))
+
+
+def test_a_second_qk_norm_is_one_line():
+    with pytest.raises(ConfigError, match="'qk_norm' .* and 'qk_norm_scale' .* pick one"):
+        dataclasses.replace(CFG, qk_norm=True, qk_norm_scale=1.2).check()
+
+
+def test_nanochat_init_starts_each_weight_at_its_scale():
+    m = model(tie_embeddings=False, dim=64, vocab_size=4096)
+    nanochat_init(m)
+    bound = (3 / 64) ** 0.5
+    assert m.tok_embeddings.weight.std().item() == pytest.approx(0.8, rel=0.03)
+    assert m.output.weight.std().item() == pytest.approx(0.001, rel=0.03)
+    for layer in m.layers:
+        attention, mlp = layer.attention, layer.feed_forward
+        assert not attention.wo.weight.any() and not mlp.w2.weight.any()
+        for w, most in ((attention.wq.weight, bound), (attention.wv.weight, bound), (mlp.w1.weight, 0.4 * bound)):
+            assert w.abs().max() <= most and w.abs().max() > 0.95 * most  # uniform on [-most, most]
+
+
+def test_nanochat_init_with_a_tied_head_is_one_line(tmp_path, capsys):
+    train_refuses(capsys, [*TINY, "--out", str(tmp_path), "--init", "nanochat"], "'init' = 'nanochat'", "untied")
+
+
+def test_nanochats_adamw_groups_give_the_value_embeddings_and_scalars_theirs():
+    m = model(**OPTIONS, tie_embeddings=False)
+    cfg = TrainConfig(optimizer="muon", adamw_groups="nanochat", embed_lr=0.3)
+    groups = {g["name"]: g for g in optimizers_for(m, cfg)[0].param_groups}
+    want = {"value_embed": (0.15, (0.8, 0.995)), "resid": (0.005, (0.8, 0.95)), "x0": (0.5, (0.96, 0.95))}
+    want["scalar"] = (0.2, (0.8, 0.95))
+    assert {name: (groups[name]["peak_lr"], groups[name]["betas"]) for name in want} == want
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert {names[id(p)] for p in groups["scalar"]["params"]} == {"backout.weight"}
+    shared = {g["name"] for g in optimizers_for(m, dataclasses.replace(cfg, adamw_groups="shared"))[0].param_groups}
+    assert shared == {"embed", "head", "value_embed", "lr"}  # the scalars at --lr, as the norms would be
+
+
 def test_the_options_decode_with_a_kv_cache_as_without():
     m = model(**OPTIONS)
     x = tokens()
@@ -101,18 +186,19 @@ def test_the_options_decode_with_a_kv_cache_as_without():
 
 @pytest.mark.parametrize("key", OPTIONS)
 def test_each_option_is_refused_by_export_with_one_line_naming_it(key):
-    with pytest.raises(ConfigError, match=f"'{key}' = True: no Hugging Face architecture"):
-        hf.to_hf_config(dataclasses.replace(CFG, **{key: True}), torch.float32, 0, 0)
+    with pytest.raises(ConfigError, match=f"'{key}' = {OPTIONS[key]!r}: no Hugging Face architecture"):
+        hf.to_hf_config(dataclasses.replace(CFG, **{key: OPTIONS[key]}), torch.float32, 0, 0)
 
 
 def test_a_run_with_every_option_resumes_exactly_and_refuses_export(tiny_data, tmp_path, capsys):
     from test_reliability import records, run_args
 
-    reference = [*run_args(tiny_data, tmp_path / "reference", *FLAGS), "--keep-checkpoints", "3"]
+    flags = (*FLAGS, "--optimizer", "muon", "--adamw-groups", "nanochat")
+    reference = [*run_args(tiny_data, tmp_path / "reference", *flags), "--keep-checkpoints", "3"]
     assert run_main(train.main, reference, capsys)[0] == 0
     (tmp_path / "run").mkdir()
     shutil.copy(tmp_path / "reference" / "ckpt_00000004.pt", tmp_path / "run")
-    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *FLAGS), "--resume"], capsys)
+    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *flags), "--resume"], capsys)
     assert code == 0 and "at step 4" in out, err
     assert records(tmp_path / "run") == [r for r in records(tmp_path / "reference") if r["step"] > 4]
     loaded, _ = checkpoint.load_model(checkpoint.latest(tmp_path / "run"), torch.device("cpu"))
