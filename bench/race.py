@@ -43,6 +43,7 @@ from bench.race_flags import (
     BASE,
     MODEL,
     RECIPES,
+    SCALED,
     SWEPT,
     Parser,
     budget_steps,
@@ -154,10 +155,14 @@ class Race:
 
     def one(self, recipe: str, flags: list[str], mult: float, budget: tuple[float, int], seed: int) -> dict:
         """One run of `recipe` at LR multiplier `mult`, budget (fraction, steps) and seed."""
-        lr_args, lrs = lr_flags(flags, mult, self.args, self.vocab)
         fraction, steps = budget
+        scale, rule = 1.0, []
+        if recipe in SCALED:  # its LRs x its batch rule's factor, its decay for this run's tokens
+            scale, decay = SCALED[recipe](self.tokens_per_step, steps * self.tokens_per_step)
+            rule = ["--muon-weight-decay", f"{decay:.6g}"]
+        lr_args, lrs = lr_flags(flags, mult * scale, self.args, self.vocab)
         tag = f"{recipe}-x{mult:g}-b{fraction:g}-seed{seed}"
-        given = [*flags, *lr_args, "--seed", str(seed)]
+        given = [*flags, *lr_args, *rule, "--seed", str(seed)]
         row = run(tag, given, steps, self.args, self.data, self.work / tag, self.args.reuse)
         row = {**row, "recipe": recipe, "recipe_flags": flags, "multiplier": mult, "fraction": fraction}
         return {**row, "seed": seed, "lrs": lrs}

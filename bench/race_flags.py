@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastpt.data.shards import MAX_VOCAB
 from fastpt.errors import FastptError
-from fastpt.recipes import CANDIDATES
+from fastpt.recipes import CANDIDATES, nanochat_scaling
 from fastpt.recipes import RECIPES as FASTPT_RECIPES
 from fastpt.settings import SEED
 
@@ -29,6 +29,7 @@ RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to t
     "untied": ["--no-tie-embeddings"],
     "bos": ["--packing", "bos"],
     "modern": ["--recipe", "modern"],
+    "nanochat": ["--recipe", "nanochat"],  # at nanochat's batch and horizon rules: SCALED
     "relu2": ["--mlp", "relu2"],
     "softcap": ["--logit-softcap", "15"],
     "unet": ["--unet-skips"],
@@ -40,6 +41,9 @@ RECIPES: dict[str, list[str]] = {  # name -> the fastpt.train flags it adds to t
 # candidates at modern's
 BASE = {"wsd-sqrt": "wsd", "muon-plain": "muon", **{f"modern-{name}": "modern" for name in CANDIDATES}}
 SWEPT = "seed,wsd,muon,modern"
+# recipes whose LRs and Muon weight decay follow their own rules for the run's batch and tokens:
+# name -> (tokens per step, run tokens) -> (LR factor, weight decay)
+SCALED = {"nanochat": nanochat_scaling}
 LR_FLAGS = {"lr": "--lr", "embed": "--embed-lr", "head": "--head-lr", "muon": "--muon-lr"}
 FITTED = ("--max-steps", "--warmup-steps")  # the race sets these per run; --muon-momentum-warmup may only be 0
 MODEL = "--preset tiny --dim 64 --n-layers 3 --n-heads 4 --ffn-dim 176 --seq-len 128 --micro-batch 16"

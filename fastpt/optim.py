@@ -5,6 +5,7 @@ and linear) and Muon's momentum warmup, set on every group by apply_schedule."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -21,6 +22,9 @@ from fastpt.presets import PRESETS
 # ours, at INIT_STD, takes 0.2 * INIT_STD for the same relative step (the best of 0.0035-1.39 in the
 # race's screen at width 64, bench/results/2026-12-03-cpu-race5-screen/method.md).
 EMBED_LR_768, HEAD_LR_768 = 0.2 * INIT_STD, 0.004
+# Under --init nanochat (its embedding at std 0.8) nanochat's own base-training LRs at width 768 (its
+# scripts/base_train.py's --embedding-lr and --unembedding-lr), on the same width rule.
+NANOCHAT_EMBED_LR_768, NANOCHAT_HEAD_LR_768 = 0.3, 0.008
 MUON_MOMENTUM_START = 0.85  # Muon's momentum warms up from here (nanochat, modded-nanogpt)
 NORMUON_BETA2 = 0.9  # NorMuon's running mean square (nanochat's)
 # --adamw-groups nanochat: its AdamW settings per group beside Muon (its gpt.py setup_optimizer): the
@@ -129,9 +133,11 @@ def peak_lrs(cfg: TrainConfig, dim: int, tied: bool | None = None) -> dict[str, 
     if cfg.optimizer != "muon":
         return {"lr": cfg.lr}
     width = (dim / 768) ** -0.5
-    peaks = {"lr": cfg.lr, "head": cfg.head_lr or HEAD_LR_768 * width, "muon": cfg.muon_lr}
+    nanochat = cfg.init == "nanochat"
+    embed_768, head_768 = (NANOCHAT_EMBED_LR_768, NANOCHAT_HEAD_LR_768) if nanochat else (EMBED_LR_768, HEAD_LR_768)
+    peaks = {"lr": cfg.lr, "head": cfg.head_lr or head_768 * width, "muon": cfg.muon_lr}
     if not (is_tied(cfg) if tied is None else tied):
-        peaks["embed"] = cfg.embed_lr or EMBED_LR_768 * width
+        peaks["embed"] = cfg.embed_lr or embed_768 * width
     return peaks
 
 
@@ -198,7 +204,7 @@ def adamw_role(name: str, cfg: TrainConfig) -> str:
 def role_peak_lrs(cfg: TrainConfig, dim: int) -> dict[str, float]:
     """The peak LRs of the roles beyond peak_lrs's: the value embeddings at half the untied embedding's
     (nanochat's), and under --adamw-groups nanochat its scalars' (NANOCHAT_SCALAR_LRS)."""
-    embed = cfg.embed_lr or EMBED_LR_768 * (dim / 768) ** -0.5
+    embed = peak_lrs(dataclasses.replace(cfg, optimizer="muon"), dim, tied=False)["embed"]
     return {"value_embed": 0.5 * embed, **(NANOCHAT_SCALAR_LRS if cfg.adamw_groups == "nanochat" else {})}
 
 

@@ -32,6 +32,56 @@ RECIPES: dict[str, dict[str, Any]] = {
         "decay_rule": "strict",
     },
 }
+# nanochat's base-training recipe (karpathy/nanochat: gpt.py, optim.py, scripts/base_train.py), as far as
+# fastpt has its parts: the bar `modern` must beat. Its width rule for AdamW's LRs is peak_lrs's; its batch
+# and horizon rules need the run's batch and length (nanochat_scaling, which the race applies). Not here:
+# its smear of the previous token's embedding and its sliding-window layers.
+RECIPES["nanochat"] = {
+    # architecture
+    "tie_embeddings": False,
+    "rope_theta": 100000.0,
+    "mlp": "relu2",
+    "logit_softcap": 15.0,
+    "parameter_free_norms": True,
+    "embed_norm": True,
+    "qk_norm_scale": 1.2,
+    "layer_scalars": True,
+    "backout": True,
+    "value_embeds": True,
+    "init": "nanochat",
+    # optimizer: Muon (Polar Express, NorMuon, cautious decay 0.28 falling to 0) beside its AdamW groups
+    "optimizer": "muon",
+    "muon_momentum": 0.97,
+    "muon_momentum_end": 0.9,
+    "muon_orthogonalize": "polar-express",
+    "normuon": True,
+    "cautious_weight_decay": True,
+    "muon_weight_decay": 0.28,
+    "muon_weight_decay_schedule": "cosine",
+    "adamw_groups": "nanochat",
+    # schedule: warmup, the peak, then linear over the last 65% to 5% of it; no clipping
+    "schedule": "wsd",
+    "decay_fraction": 0.65,
+    "decay_floor": 0.05,
+    "max_grad_norm": 0.0,
+}
+# nanochat's scaling rules (scripts/base_train.py), from its reference run, depth 12 (dim 768, 12 blocks,
+# vocab 32768): tuned at 2**19 tokens a step, trained on 12 tokens per scaling parameter (its block
+# matrices, 12 x 12 x 768**2 plus 6 value gates of 12 x 6, and its head, 32768 x 768).
+NANOCHAT_B_REF = 2**19
+NANOCHAT_D_REF = 12 * (12 * 12 * 768**2 + 6 * 12 * 6 + 32768 * 768)
+NANOCHAT_WEIGHT_DECAY = 0.28  # its --weight-decay, Muon's, at the reference
+
+
+def nanochat_scaling(tokens_per_step: int, run_tokens: int) -> tuple[float, float]:
+    """nanochat's rules for a run of `run_tokens` at `tokens_per_step`: (the factor on every LR, Muon's
+    weight decay). LRs grow as sqrt(B / B_ref), AdamW's square-root batch rule, which nanochat applies
+    to Muon too; the decay is 0.28 x sqrt(B / B_ref) x D_ref / D, which keeps the T_epoch = B / (lr x
+    decay x D) of Wang & Aitchison (2024, arXiv:2405.13698) at the reference's."""
+    batch = tokens_per_step / NANOCHAT_B_REF
+    return batch**0.5, NANOCHAT_WEIGHT_DECAY * batch**0.5 * NANOCHAT_D_REF / run_tokens
+
+
 # modern plus one candidate each: what `bench race` screens (nanochat's and modded-nanogpt's cap of 15)
 CANDIDATES = {"relu2": {"mlp": "relu2"}, "softcap": {"logit_softcap": 15.0}, "unet": {"unet_skips": True}}
 RECIPES.update({f"modern-{name}": {**RECIPES["modern"], **values} for name, values in CANDIDATES.items()})
