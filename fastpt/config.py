@@ -248,7 +248,11 @@ class TrainConfig:
         300, "steps over which Muon's momentum rises linearly from 0.85 to muon_momentum; 0 = off", domain=STEPS
     )
     muon_weight_decay: float = setting(
-        0.0, "Muon's decoupled weight decay: each step shrinks its matrices by lr * this", domain=DECAY
+        0.0,
+        "Muon's decoupled weight decay: each step shrinks its matrices by lr * this",
+        # wider than AdamW's: nanochat's rule (fastpt.recipes.nanochat_scaling) asks for tens at a small
+        # model and batch, beside a Muon LR as many times smaller
+        domain=Interval(0, 1000),
     )
     muon_momentum_end: float = setting(
         0.0,

@@ -396,20 +396,15 @@ def test_the_round4_options_follow_one_process_under_ddp_and_fsdp(tiny_data, tmp
         assert_same_curve(train(tiny_data, tmp_path / layout, 2, "--parallel", layout, *options), one)
 
 
-NANOCHAT_OPTIM = (
-    *("--optimizer", "muon", "--muon-momentum-warmup", "2", "--muon-momentum", "0.97", "--muon-momentum-end", "0.9"),
-    *("--schedule", "wsd", "--decay-fraction", "0.65", "--decay-floor", "0.05", "--max-grad-norm", "0"),
-    *("--muon-weight-decay", "0.2", "--muon-weight-decay-schedule", "cosine", "--muon-orthogonalize", "polar-express"),
-    *("--normuon", "--cautious-weight-decay", "--adamw-groups", "nanochat", "--no-tie-embeddings"),
-)
-
-
-def test_nanochats_optimizer_options_follow_one_process_under_ddp_and_fsdp(tiny_data, tmp_path):
-    """Polar Express, NorMuon (its running mean square kept whole on every rank), cautious decay, the
-    momentum and decay schedules and nanochat's AdamW groups in every layout; an FSDP checkpoint (DCP
-    shards) resumes in one process as the uninterrupted run."""
-    one = train(tiny_data, tmp_path / "one", 0, *NANOCHAT_OPTIM)
+def test_the_nanochat_recipe_follows_one_process_under_ddp_and_fsdp(tiny_data, tmp_path):
+    """Every nanochat ingredient at once (fastpt.recipes): Polar Express, NorMuon (its running mean
+    square kept whole on every rank), cautious decay on its schedule, the momentum schedule, nanochat's
+    AdamW groups; value embeddings, layer scalars and the backout (root parameters FSDP shards with the
+    embedding), parameter-free norms; in every layout, and an FSDP checkpoint (DCP shards) resumes in
+    one process as the uninterrupted run."""
+    recipe = ("--recipe", "nanochat", "--muon-momentum-warmup", "2", "--muon-weight-decay", "0.5")
+    one = train(tiny_data, tmp_path / "one", 0, *recipe)
     for layout in ("ddp", "fsdp"):
-        assert_same_curve(train(tiny_data, tmp_path / layout, 2, "--parallel", layout, *NANOCHAT_OPTIM), one)
+        assert_same_curve(train(tiny_data, tmp_path / layout, 2, "--parallel", layout, *recipe), one)
     resumed = resume_from(tmp_path / "fsdp", "ckpt_00000003", tmp_path / "resumed")
-    assert_same_curve(train(tiny_data, resumed, 0, *NANOCHAT_OPTIM, "--resume"), one, from_step=3)
+    assert_same_curve(train(tiny_data, resumed, 0, *recipe, "--resume"), one, from_step=3)
