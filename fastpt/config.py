@@ -169,6 +169,11 @@ class TrainConfig:
         "Hugging Face export)",
         recipe=True,
     )
+    smear: bool | None = shape(
+        "smear: each token's embedding takes in x_(t-1) * a learned scalar (from 0) * a sigmoid gate of its first "
+        "24 channels (nanochat; no Hugging Face export)",
+        recipe=True,
+    )
     value_embeds: bool | None = shape(
         "value embeddings: every other block (the last included) adds a token embedding of its own to its attention "
         "values, through a gate per key/value head (ResFormer; nanochat; no Hugging Face export)",

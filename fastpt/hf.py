@@ -62,7 +62,8 @@ NOT_EXPORTABLE = {
     "layer_scalars": False,
     "backout": False,
     "qk_norm_scale": 0.0,
-    "value_embeds": False,  # Qwen3 norms before RoPE, with a weight
+    "value_embeds": False,
+    "smear": False,  # Qwen3 norms before RoPE, with a weight
 }
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from fastpt.attention import attend, document_mask
 from fastpt.kernels import api as kernels
 from fastpt.kernels import reference
-from fastpt.nanochat_parts import OWN_INIT, Backout, LayerScalars, ValueEmbeddings, ValueGate, has_value_embed
+from fastpt.nanochat_parts import OWN_INIT, Backout, LayerScalars, Smear, ValueEmbeddings, ValueGate, has_value_embed
 from fastpt.presets import ModelConfig
 
 INIT_STD = 0.02  # GPT-2's: every weight matrix, the token embedding included
@@ -239,6 +239,7 @@ class Transformer(nn.Module):
         self.embed_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned) if cfg.embed_norm else None
         self.layer_scalars = LayerScalars(cfg.n_layers) if cfg.layer_scalars else None
         self.backout = Backout(cfg.n_layers) if cfg.backout else None
+        self.smear = Smear(cfg.dim) if cfg.smear else None
         value_dim = cfg.kv_heads * cfg.head_dim
         self.value_embeds = (
             ValueEmbeddings(cfg.n_layers, cfg.vocab_size, value_dim, cfg.dim) if cfg.value_embeds else None
@@ -299,6 +300,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(idx)  # (B, T, C)
         if self.embed_norm is not None:
             h = self.embed_norm(h)
+        if self.smear is not None:  # a cache carries the last embedding after the layers' (k, v)
+            embedded, before = h, kv_cache[-1][0] if kv_cache else None
+            h = self.smear(h, before)
         x0, middle = h, None  # the embedding every block reads back (layer scalars); the backout's block output
         # Built once for all layers; decoding with a KV cache attends causally (one document: the prompt's).
         mask = document_mask(idx, self.cfg.doc_token) if self.cfg.attention == "document" and kv_cache is None else None
@@ -321,6 +325,8 @@ class Transformer(nn.Module):
                 middle = h
         if self.backout is not None:
             h = self.backout(h, middle)
+        if self.smear is not None and kv_cache is not None:
+            new_cache.append((embedded[:, -1:],))
         h = self.norm(h)  # (B, T, C)
         if labels is not None:
             # The fused kernel never materializes the (B*T, V) logits, soft-capped or not.

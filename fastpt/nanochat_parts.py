@@ -107,7 +107,34 @@ class ValueGate(nn.Module):
         return v + gate.unsqueeze(-1) * ve.view_as(v)
 
 
-OWN_INIT = (LayerScalars, Backout, ValueEmbeddings, ValueGate)  # parts whose reset_parameters is their init
+class Smear(nn.Module):
+    """x_t + weight * sigmoid(x_t[:24] W) * x_(t-1): each token's embedding takes in a gated share of the
+    one before it, a cheap bigram (nanochat). The gate reads the first 24 channels; weight starts at 0,
+    so the model starts without it, W uniform in [0, 0.02]."""
+
+    channels = 24
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gate = nn.Linear(min(self.channels, dim), 1, bias=False)
+        self.weight = nn.Parameter(torch.empty(1))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.gate.weight, 0.0, 0.02)
+        self.weight.zero_()
+
+    def forward(self, x: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, T, C); before (B, 1, C): the embedding of the token before x's first (decoding with a
+        KV cache), or None: the first token has none and is left as it is."""
+        previous = x[:, :-1] if before is None else torch.cat((before, x[:, :-1]), dim=1)
+        current = x[:, -previous.size(1) :] if previous.size(1) else x[:, :0]
+        mixed = current + self.weight * torch.sigmoid(self.gate(current[..., : self.gate.in_features])) * previous
+        return mixed if before is not None else torch.cat((x[:, :1], mixed), dim=1)
+
+
+OWN_INIT = (LayerScalars, Backout, ValueEmbeddings, ValueGate, Smear)  # parts whose reset_parameters is their init
 
 
 @torch.no_grad()

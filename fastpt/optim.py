@@ -40,7 +40,13 @@ NANOCHAT_ADAMW = {
 # nanochat's peak LRs for its scalars, whatever the width: 0.01 x its scalar LR 0.5 for the residual
 # scalars, 0.5 for the x0 scalars, 0.2 for the backout's; the value embeddings take half the embedding's
 NANOCHAT_SCALAR_LRS = {"resid": 0.005, "x0": 0.5, "scalar": 0.2}
-SCALAR_ROLES = {"layer_scalars.resid": "resid", "layer_scalars.x0": "x0", "backout.weight": "scalar"}
+SCALAR_ROLES = {
+    "layer_scalars.resid": "resid",
+    "layer_scalars.x0": "x0",
+    "backout.weight": "scalar",
+    "smear.weight": "scalar",
+    "smear.gate.weight": "scalar",
+}
 # Each setting reapply_settings puts back after a resume: what the config says, not the checkpoint.
 OPTIMIZER_SETTINGS = (
     "lr",

@@ -42,6 +42,7 @@ class ModelConfig:
     embed_norm: bool = False
     layer_scalars: bool = False
     backout: bool = False
+    smear: bool = False  # each token's embedding takes a gated share of the previous one's (nanochat)
     value_embeds: bool = False  # a gated value embedding in every other block, the last included (nanochat)
     qk_norm_scale: float = 0.0  # > 0: queries and keys RMS-normed after RoPE, no weight, times this (nanochat's 1.2)
     # A training-time mask, not a shape: "document" lets a token see only earlier tokens of its own
@@ -67,6 +68,7 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * d
         skips = self.n_layers // 2 if self.unet_skips else 0
         nanochat = norm * self.embed_norm + 2 * self.n_layers * self.layer_scalars + self.backout
+        nanochat += (min(24, d) + 1) * self.smear
         if self.value_embeds:  # a table and a gate (12 channels to each KV head) in every other block
             blocks = (self.n_layers + 1) // 2
             nanochat += blocks * (self.vocab_size * self.kv_heads * hd + min(12, d) * self.kv_heads)

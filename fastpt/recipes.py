@@ -35,7 +35,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 # nanochat's base-training recipe (karpathy/nanochat: gpt.py, optim.py, scripts/base_train.py), as far as
 # fastpt has its parts: the bar `modern` must beat. Its width rule for AdamW's LRs is peak_lrs's; its batch
 # and horizon rules need the run's batch and length (nanochat_scaling, which the race applies). Not here:
-# its smear of the previous token's embedding and its sliding-window layers.
+# its sliding-window layers, MuonEq's row equilibration and Muon+'s renormalization (not asked of this recipe).
 RECIPES["nanochat"] = {
     # architecture
     "tie_embeddings": False,
@@ -48,6 +48,7 @@ RECIPES["nanochat"] = {
     "layer_scalars": True,
     "backout": True,
     "value_embeds": True,
+    "smear": True,
     "init": "nanochat",
     # optimizer: Muon (Polar Express, NorMuon, cautious decay 0.28 falling to 0) beside its AdamW groups
     "optimizer": "muon",

@@ -16,7 +16,7 @@ from fastpt import checkpoint, export, hf, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import ConfigError
 from fastpt.model import Transformer
-from fastpt.nanochat_parts import ValueGate, nanochat_init
+from fastpt.nanochat_parts import Smear, ValueGate, nanochat_init
 from fastpt.optim import optimizers_for
 
 CFG = dataclasses.replace(PRESETS["tiny"], vocab_size=97, dim=32, n_layers=3, n_heads=4, ffn_dim=64, max_seq_len=32)
@@ -26,9 +26,10 @@ OPTIONS = {
     "layer_scalars": True,
     "backout": True,
     "value_embeds": True,
+    "smear": True,
     "qk_norm_scale": 1.2,
 }
-FLAGS = ("--parameter-free-norms", "--embed-norm", "--layer-scalars", "--backout", "--value-embeds")
+FLAGS = ("--parameter-free-norms", "--embed-norm", "--layer-scalars", "--backout", "--value-embeds", "--smear")
 FLAGS = (*FLAGS, "--qk-norm-scale", "1.2", "--init", "nanochat", "--no-tie-embeddings")
 
 
@@ -51,7 +52,7 @@ def test_each_option_changes_the_model_and_counts_its_parameters(key):
     plain, changed = model(), model(**{key: OPTIONS[key]})
     assert changed.num_params() == changed.cfg.num_params()
     assert (changed.num_params() == plain.num_params()) == (key == "qk_norm_scale")  # the only one of no weights
-    if key != "parameter_free_norms":  # its ones compute what the plain model's ones do at init
+    if key not in ("parameter_free_norms", "smear"):  # at init: the plain model's ones, a smear of weight 0
         assert not torch.equal(logits(plain), logits(changed))
     everything = model(**OPTIONS)
     assert everything.num_params() == everything.cfg.num_params()
@@ -169,9 +170,41 @@ def test_nanochats_adamw_groups_give_the_value_embeddings_and_scalars_theirs():
     want["scalar"] = (0.2, (0.8, 0.95))
     assert {name: (groups[name]["peak_lr"], groups[name]["betas"]) for name in want} == want
     names = {id(p): n for n, p in m.named_parameters()}
-    assert {names[id(p)] for p in groups["scalar"]["params"]} == {"backout.weight"}
+    scalars = [g for g in optimizers_for(m, cfg)[0].param_groups if g["name"] == "scalar"]  # decayed or not
+    in_scalars = {names[id(p)] for g in scalars for p in g["params"]}
+    assert in_scalars == {"backout.weight", "smear.weight", "smear.gate.weight"}
+    assert {g["weight_decay"] for g in scalars} == {0.0}
     shared = {g["name"] for g in optimizers_for(m, dataclasses.replace(cfg, adamw_groups="shared"))[0].param_groups}
     assert shared == {"embed", "head", "value_embed", "lr"}  # the scalars at --lr, as the norms would be
+
+
+def test_the_smear_adds_a_gated_share_of_the_previous_tokens_embedding():
+    smear = Smear(dim=32)
+    assert smear.weight.item() == 0 and smear.gate.weight.shape == (1, 24)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(smear(x), x)  # weight 0: off at the start
+    with torch.no_grad():
+        smear.weight.fill_(0.5)
+        smear.gate.weight.zero_()  # sigmoid(0) = 1/2: a quarter of the previous token
+    want = torch.cat((x[:, :1], x[:, 1:] + 0.25 * x[:, :-1]), dim=1)
+    torch.testing.assert_close(smear(x), want)
+    torch.testing.assert_close(smear(x[:, 3:4], before=x[:, 2:3]), want[:, 3:4])  # one token, decoding
+
+
+def test_a_trained_smear_decodes_with_a_kv_cache_as_without():
+    m = model(smear=True)
+    with torch.no_grad():
+        m.smear.weight.fill_(0.7)
+    x = tokens()
+    with torch.no_grad():
+        full = m(x).logits
+        prompt = m(x[:, :-3], kv_cache=[])
+        cache = prompt.cache
+        for t in range(x.size(1) - 3, x.size(1)):
+            out = m(x[:, t : t + 1], kv_cache=cache)
+            torch.testing.assert_close(out.logits[:, -1], full[:, t], rtol=1e-5, atol=1e-5)
+            cache = out.cache
+    assert len(cache) == CFG.n_layers + 1  # the layers' keys and values, then the last embedding
 
 
 def test_the_options_decode_with_a_kv_cache_as_without():
