@@ -136,6 +136,19 @@ class ModelConfig:
 CONFIG_FORMAT = 2
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
 SHAPE_FIELDS = tuple(k for k in MODEL_FIELDS if k not in ("attention", "doc_token"))  # the TrainConfig shape keys
+
+
+def upgraded_run(run: dict[str, Any], saved: dict) -> dict[str, Any]:
+    """A run's config.toml values in this format's terms, given its checkpoint's model config `saved`:
+    a format-1 relu2 run's ffn_dim was SwiGLU's width (its MLP 3/2 of it), and is now the MLP's own.
+    Only a value still in format 1's terms (the checkpoint's own) changes, so an upgraded config.toml,
+    written before the run's first format-2 checkpoint, stays as it is."""
+    old_relu2 = saved.get("format", 1) == 1 and saved.get("mlp") == "relu2"
+    if old_relu2 and "ffn_dim" in saved and run.get("ffn_dim") == saved["ffn_dim"]:
+        return {**run, "ffn_dim": ModelConfig.from_dict(saved).ffn_dim}
+    return run
+
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=0, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=256),
     "0.04b": ModelConfig(),
