@@ -33,7 +33,9 @@ from fastpt.settings import (
     DECAY,
     LR,
     LR_OR_DEFAULT,
+    NORM_EPS,
     PLAN_WORLD,
+    ROPE_THETA,
     SEED,
     SOFTCAP,
     STEPS,
@@ -135,8 +137,8 @@ class TrainConfig:
         "the MLP's hidden width, either MLP's (relu2: 3/2 of the preset's SwiGLU width, its parameters)"
     )
     max_seq_len: int | None = shape("longest sequence (RoPE table)")
-    rope_theta: float | None = shape("RoPE base")
-    norm_eps: float | None = shape("RMSNorm epsilon")
+    rope_theta: float | None = shape("RoPE base", domain=ROPE_THETA)
+    norm_eps: float | None = shape("RMSNorm epsilon", domain=NORM_EPS)
     tie_embeddings: bool | None = shape("share the LM head with the token embedding", recipe=True)
     qk_norm: bool | None = shape(
         "RMSNorm over each head's queries and keys before RoPE (as Qwen3; exports as Qwen3ForCausalLM)", recipe=True

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from fastpt.errors import ConfigError
-from fastpt.settings import SOFTCAP
+from fastpt.settings import NORM_EPS, ROPE_THETA, SOFTCAP
 
 MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
 MAX_SEQ_LEN = 2**20
@@ -104,10 +104,9 @@ class ModelConfig:
             raise ConfigError(
                 f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) must be even for RoPE"
             )
-        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
-            raise ConfigError(f"'norm_eps' must be a finite number > 0, got {self.norm_eps}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ConfigError(f"'rope_theta' must be a finite number > 0, got {self.rope_theta}")
+        for key, domain in (("norm_eps", NORM_EPS), ("rope_theta", ROPE_THETA)):
+            if getattr(self, key) not in domain:
+                raise ConfigError(f"'{key}' must be {domain} (a finite number), got {getattr(self, key)}")
         if self.max_seq_len > MAX_SEQ_LEN:
             raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
         if self.mlp not in MLPS:
