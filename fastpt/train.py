@@ -20,11 +20,11 @@ import torch
 
 from fastpt import checkpoint, distributed
 from fastpt.checkpointer import build_checkpointer, save_checkpoint, start_or_resume
-from fastpt.cli import parse_args, resumed_run
+from fastpt.cli import check_resume_steps, parse_args, resumed_run
 from fastpt.config import TrainConfig, check_runtime, pick_device, resolve
-from fastpt.data.dataset import Data, build_data, packing_warning
+from fastpt.data.dataset import Data, build_data, check_out_of_data, packing_warning
 from fastpt.distributed import Preemption
-from fastpt.errors import print_or_drop, run_command
+from fastpt.errors import memory_as_error, print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_folder
 from fastpt.optim import apply_schedule
@@ -100,7 +100,8 @@ def train(
     joins the summary; `fresh_note`, why a --resume starts afresh); returns the process exit code."""
     device = d.device(cfg.device)
     log = print_or_drop if d.is_main else (lambda *a, **k: None)
-    with ExitStack() as cleanup:  # whatever ends the run, everything opened here is closed
+    # Whatever ends the run, everything opened here is closed: a failed allocation first becomes one line.
+    with ExitStack() as cleanup, memory_as_error("training the run"):
         if d.is_main:
             own_run_folder(cfg, cleanup)
         data = build_data(cfg, d, device)
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(cli)
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
+    check_resume_steps(cfg)
+    check_out_of_data(cfg.out, cfg.data)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
     capped = distributed.threads_capped(cfg.threads)
     cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import train_refuses
+from conftest import run_main, tiny_args, train_refuses
 from fastpt import train
 from fastpt.cli import parse_args, resumed_run
 from fastpt.config import resolve
@@ -127,3 +127,21 @@ def test_resume_or_start_is_not_taken_from_a_run(tmp_path):
     (tmp_path / "run" / "config.toml").write_text('preset = "tiny"\nresume = true\nresume_or_start = true\n')
     cli, config_file = parse_args(["--out", str(tmp_path / "run"), "--resume"])
     assert "resume_or_start" not in resumed_run(cli, config_file, "cpu")
+
+
+def test_resume_to_fewer_steps_than_done_is_refused_and_changes_nothing(tiny_data, tmp_path, capsys):
+    """--max-steps below the run's step rewrote config.toml's max_steps (and ended at once): refused in
+    one line before any work, the folder as it was; at the step itself there is simply nothing to do."""
+    out = tmp_path / "run"
+    code, _, err = run_main(train.main, tiny_args(tiny_data, out, max_steps=2, ckpt_every=2), capsys)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    train_refuses(
+        capsys,
+        ["--device", "cpu", "--out", str(out), "--resume", "--max-steps", "1"],
+        f"'max_steps' = 1 is below step 2, where {out / 'ckpt_00000002.pt'} is",
+        "give --max-steps 2 or more",
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    code, stdout, err = run_main(train.main, ["--device", "cpu", "--out", str(out), "--resume"], capsys)
+    assert code == 0 and "nothing to do: the run is already at step 2 of max_steps 2" in stdout, err
