@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastpt.checkpoint import NAME, latest, saved_config
-from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, TrainConfig, load_toml, recipe_values, resume_implied
+from fastpt.checkpoint import saved_config
+from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, load_toml, recipe_values, resume_implied
 from fastpt.errors import ArgumentParser, ConfigError, elsewhere, suggest
 from fastpt.presets import describe_presets, upgraded_run
 
@@ -108,13 +108,3 @@ def run_config(out: Path) -> dict[str, Any]:
         what = f"lacks {', '.join(lost)}" if toml else whole
         print(f"fastpt: warning: {path} {what}: the checkpoint's values apply", file=sys.stderr, flush=True)
     return upgraded_run({**saved, **toml}, saved_config(out, "model_config"))
-
-
-def check_resume_steps(cfg: TrainConfig) -> None:
-    """A --resume to fewer steps than its run has done is refused before anything changes (its
-    config.toml would take the lower max_steps, its schedule another end): nothing to undo."""
-    if cfg.resume and (path := latest(Path(cfg.out))) and (step := int(NAME.match(path.name)[1])) > cfg.max_steps:
-        raise ConfigError(
-            f"'max_steps' = {cfg.max_steps} is below step {step}, where {path} is: a resume continues the run, "
-            f"give --max-steps {step} or more"
-        )

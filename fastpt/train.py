@@ -20,11 +20,11 @@ import torch
 
 from fastpt import checkpoint, distributed
 from fastpt.checkpointer import build_checkpointer, save_checkpoint, start_or_resume
-from fastpt.cli import check_resume_steps, parse_args, resumed_run
+from fastpt.cli import parse_args, resumed_run
 from fastpt.config import TrainConfig, check_runtime, pick_device, resolve
 from fastpt.data.dataset import Data, build_data, check_out_of_data, packing_warning
 from fastpt.distributed import Preemption
-from fastpt.errors import memory_as_error, print_or_drop, run_command
+from fastpt.errors import ConfigError, memory_as_error, print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_folder
 from fastpt.optim import apply_schedule
@@ -111,6 +111,11 @@ def train(
         state = TrainState()
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
         start_or_resume(cfg, ckpt, device, log, fresh_note)
+        if state.step > cfg.max_steps:  # refused before config.toml takes the lower max_steps
+            raise ConfigError(
+                f"'max_steps' = {cfg.max_steps} is below step {state.step}, where --resume continues {cfg.out} "
+                f"from: a resume continues the run, give --max-steps {state.step} or more"
+            )
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
         write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
@@ -172,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(cli)
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
-    check_resume_steps(cfg)
     check_out_of_data(cfg.out, cfg.data)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
     capped = distributed.threads_capped(cfg.threads)

@@ -131,7 +131,7 @@ def test_resume_or_start_is_not_taken_from_a_run(tmp_path):
 
 def test_resume_to_fewer_steps_than_done_is_refused_and_changes_nothing(tiny_data, tmp_path, capsys):
     """--max-steps below the run's step rewrote config.toml's max_steps (and ended at once): refused in
-    one line before any work, the folder as it was; at the step itself there is simply nothing to do."""
+    one line once the checkpoint is read, the folder as it was; at the step itself there is nothing to do."""
     out = tmp_path / "run"
     code, _, err = run_main(train.main, tiny_args(tiny_data, out, max_steps=2, ckpt_every=2), capsys)
     assert code == 0, err
@@ -139,7 +139,7 @@ def test_resume_to_fewer_steps_than_done_is_refused_and_changes_nothing(tiny_dat
     train_refuses(
         capsys,
         ["--device", "cpu", "--out", str(out), "--resume", "--max-steps", "1"],
-        f"'max_steps' = 1 is below step 2, where {out / 'ckpt_00000002.pt'} is",
+        f"'max_steps' = 1 is below step 2, where --resume continues {out} from",
         "give --max-steps 2 or more",
     )
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
