@@ -70,6 +70,23 @@ def preempted_exit(signum: int, step: int, saved: bool, log) -> int:
     return 128 + signum
 
 
+RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl")  # what metrics.write_run_folder writes
+
+
+def take_back(made: list[Path], state: TrainState):
+    """An exit callback: a run stopped before its first step (a model too big for memory, a Ctrl-C
+    while it compiles) deletes the run folder's files it `made`, so the folder is as it found it
+    (files.owned_folder then takes back the lock file and the folders it made)."""
+
+    def undo(exc_type, exc, tb) -> bool:
+        if exc_type is not None and state.step == 0:
+            for path in made:
+                path.unlink(missing_ok=True)
+        return False
+
+    return undo
+
+
 def introduce(
     cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, step: int, chosen: str, backend: Backend, log
 ) -> None:
@@ -116,7 +133,9 @@ def train(
                 f"'max_steps' = {cfg.max_steps} is below step {state.step}, where --resume continues {cfg.out} "
                 f"from: a resume continues the run, give --max-steps {state.step} or more"
             )
+        made = [Path(cfg.out) / name for name in RUN_FILES if d.is_main and not (Path(cfg.out) / name).exists()]
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
+        cleanup.push(take_back(made, state))
         write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
         dash = Dashboard.for_run(cfg, net.raw.cfg.flops_per_token(seq_len), seq_len, device, d.world_size)
