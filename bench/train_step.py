@@ -36,21 +36,22 @@ import torch
 from bench import baseline
 from bench.common import REPO, cuda_context_gib, env_info, matmul_tflops, rss_gib, sync
 from bench.train_step_report import add_mfu, losses_agree, markdown
-from fastpt import float8
+from fastpt import float8, settings
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig
 from fastpt.data.dataset import Windows, data_vocab, find_shards
 from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import write_shard
 from fastpt.distributed import Dist, parallelize
-from fastpt.errors import FastptError
+from fastpt.errors import FastptError, fail
 from fastpt.files import write_output
 from fastpt.hf import write_json
 from fastpt.metrics import peak_flops, peak_mem_gib
 from fastpt.model import LossOutput, Transformer
 from fastpt.optim import build_optimizer
 from fastpt.plan import gpus, planner, timing
-from fastpt.presets import model_config
+from fastpt.presets import MAX_SEQ_LEN, model_config
 from fastpt.profiling import compiled_graphs
+from fastpt.settings import THREADS, Interval
 from fastpt.step import Net, train_step
 
 
@@ -325,10 +326,40 @@ def prepare_data(spec: str, tmp: Path, vocab: int) -> tuple[Path, str]:
     return Path(spec), f"shards in {spec}"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A mistake on the command line is one line and exit 2 (no usage dump), as fastpt's commands say it."""
+
+    def error(self, message: str):
+        fail(f"{self.prog}: {message}")
+        sys.exit(2)
+
+
+def within(domain: Interval, kind: type = int) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, in `domain` (finite), else the flag's one-line error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value not in domain:
+            raise argparse.ArgumentTypeError(f"must be {domain}, got {text}")
+        return value
+
+    return parse
+
+
+STEPS = Interval(1, 10**6)  # timed steps of a mode: a million is days of a 0.04b step
+WARMUP = Interval(0, STEPS.high)
+MODE_SECONDS = Interval(0, 10**6, low_open=True)
+BUDGET_SECONDS = Interval(MIN_MODE_S, 10**6)  # below MIN_MODE_S no mode would start
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags; defaults follow the device: 0.04b in bf16 on CUDA, tiny in fp32 on a CPU."""
     cuda = torch.cuda.is_available()
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="python -m bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -336,11 +367,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
     ap.add_argument("--preset", choices=tuple(PRESETS), help="default: 0.04b on CUDA, tiny on CPU")
-    ap.add_argument("--steps", type=int, help="timed steps per mode (default: 20 on CUDA, 10 on CPU)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (they compile)")
-    ap.add_argument("--micro-batch", type=int, help="default: 32 for 0.04b, 8 for tiny")
-    ap.add_argument("--grad-accum", type=int, help="default: 2 for 0.04b, 1 for tiny")
-    ap.add_argument("--seq-len", type=int, help="default: the preset's")
+    ap.add_argument("--steps", type=within(STEPS), help="timed steps per mode (default: 20 on CUDA, 10 on CPU)")
+    ap.add_argument("--warmup", type=within(WARMUP), default=3, help="untimed steps first (they compile)")
+    ap.add_argument("--micro-batch", type=within(settings.BATCH), help="default: 32 for 0.04b, 8 for tiny")
+    ap.add_argument("--grad-accum", type=within(settings.BATCH), help="default: 2 for 0.04b, 1 for tiny")
+    ap.add_argument("--seq-len", type=within(Interval(1, MAX_SEQ_LEN)), help="default: the preset's")
     ap.add_argument("--dtype", choices=tuple(DTYPES), help="default: bf16 on CUDA, fp32 on CPU")
     ap.add_argument(
         "--modes",
@@ -349,7 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--threads",
-        type=int,
+        type=within(THREADS),
         default=0,
         help="CPU threads per mode (default: torch's); 1 steadies a busy shared machine",
     )
@@ -359,10 +390,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--json", help="write every row (and the table) here")
     ap.add_argument("--markdown", help="write the table here")
-    ap.add_argument("--mode-timeout", type=float, help="seconds per mode before it counts as failed")
+    ap.add_argument(
+        "--mode-timeout", type=within(MODE_SECONDS, float), help="seconds per mode before it counts as failed"
+    )
     ap.add_argument(
         "--time-budget",
-        type=float,
+        type=within(BUDGET_SECONDS, float),
         help=f"seconds for all modes: a mode is skipped when less than {MIN_MODE_S} s are left, and none runs past it",
     )
     args = ap.parse_args(argv)
@@ -424,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     agree = losses_agree(rows, LOSS_RTOL[args.dtype])
     table = markdown(rows, info, planned_card().name)
     print(table)
-    verdict = "losses agree" if agree else "FAILED: a mode errored or the losses disagree"
+    measured = any("loss" in r for r in rows)
+    failed = "FAILED: a mode errored or the losses disagree" if measured else "FAILED: no mode ran"
+    verdict = "losses agree" if agree else failed
     first = next((r["mode"] for r in rows if "loss" in r), "none measured")
     print(f"\n{verdict} (relative tolerance {LOSS_RTOL[args.dtype]:g} vs {first})")
     if args.json:

@@ -12,11 +12,11 @@ from fastpt.plan import gpus
 
 def losses_agree(rows: list[dict], rtol: float) -> bool:
     """Annotate each measured row with its loss's relative difference to the first measured row's;
-    no mode errored and all within rtol? (A skipped row is neither.)"""
+    some mode measured, none errored and all within rtol? (A skipped row is neither.)"""
     ok = [r for r in rows if "loss" in r]
     for r in ok:
         r["loss_rel_diff"] = abs(r["loss"] - ok[0]["loss"]) / abs(ok[0]["loss"])
-    return not any("error" in r for r in rows) and all(r["loss_rel_diff"] <= rtol for r in ok)
+    return bool(ok) and not any("error" in r for r in rows) and all(r["loss_rel_diff"] <= rtol for r in ok)
 
 
 def ratio(row: dict, rows: list[dict], name: str) -> str:

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from fastpt.checkpoint import saved_config
-from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, load_toml, recipe_values
+from fastpt.config import AUTO, CPU_PROFILE, FIELD_TYPES, FIELDS, load_toml, recipe_values, resume_implied
 from fastpt.errors import ArgumentParser, ConfigError, elsewhere, suggest
-from fastpt.presets import describe_presets
+from fastpt.presets import describe_presets, upgraded_run
 
 # A run's config.toml keys that say where and how it ran this time, never what it is.
-NOT_RESUMED = ("out", "resume", "resume_require", "threads", "device", "plan", "plan_json")
+NOT_RESUMED = ("out", "resume", "resume_require", "resume_or_start", "threads", "device", "plan", "plan_json")
 
 
 def int_or_auto(text: str) -> int | str:
@@ -73,7 +73,7 @@ def resumed_run(cli: dict[str, Any], config_file: str | None, device: str) -> di
     """With --resume and an --out that holds a run's config.toml: its values, the base that --config
     and flags change (config.resolve's `run`); else {}. Under another --recipe than the run's, the
     keys either recipe sets are left to the new one (a changed shape is then refused, naming it)."""
-    given = {**(load_toml(config_file) if config_file else {}), **cli}
+    given = {**resume_implied(load_toml(config_file) if config_file else {}), **resume_implied(cli)}
     out = given.get("out") or (CPU_PROFILE["out"] if device == "cpu" else FIELDS["out"].default)
     if not given.get("resume") or not (run := run_config(Path(out))):
         return {}
@@ -88,8 +88,8 @@ def resumed_run(cli: dict[str, Any], config_file: str | None, device: str) -> di
 
 def run_config(out: Path) -> dict[str, Any]:
     """A run folder's config.toml, with the keys it lacks (a file cut at a line end, none, or one
-    that does not parse) taken from the newest checkpoint's train_config, and said; {} for a folder
-    with neither."""
+    that does not parse) taken from the newest checkpoint's train_config, and said, in this fastpt's
+    terms (presets.upgraded_run); {} for a folder with neither."""
     path = out / "config.toml"
     saved = {
         k: v
@@ -107,4 +107,4 @@ def run_config(out: Path) -> dict[str, Any]:
     if lost := [k for k in saved if k not in toml]:
         what = f"lacks {', '.join(lost)}" if toml else whole
         print(f"fastpt: warning: {path} {what}: the checkpoint's values apply", file=sys.stderr, flush=True)
-    return {**saved, **toml}
+    return upgraded_run({**saved, **toml}, saved_config(out, "model_config"))

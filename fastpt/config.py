@@ -34,7 +34,9 @@ from fastpt.settings import (
     DECAY,
     LR,
     LR_OR_DEFAULT,
+    NORM_EPS,
     PLAN_WORLD,
+    ROPE_THETA,
     SEED,
     SOFTCAP,
     STEPS,
@@ -89,13 +91,18 @@ class TrainConfig:
     resume: bool = setting(
         False,
         "continue from the newest complete checkpoint in --out; without one it starts the run "
-        "(the same command after a preemption), saying why, unless --out is missing and its name a typo of "
-        "a run's beside it (refused, naming that run)",
+        "(the same command after a preemption), saying why, unless --out is missing and a typo of a run's "
+        "folder (one edit in a name, not a sweep's next name: refused, naming that run)",
     )
     resume_require: bool = setting(
         False,
-        "with --resume: stop (exit 2) rather than start over when --out holds no checkpoint (for scripts); "
-        "--resume=require is both flags",
+        "--resume, but stop (exit 2) rather than start over when --out holds no checkpoint (for scripts); "
+        "--resume=require is the same",
+    )
+    resume_or_start: bool = setting(
+        False,
+        "--resume, but when --out holds no checkpoint start the run there whatever its name: no typo check, "
+        "no guess (for scripts and sweeps)",
     )
     threads: int = setting(
         0,
@@ -131,8 +138,8 @@ class TrainConfig:
         "the MLP's hidden width, either MLP's (relu2: 3/2 of the preset's SwiGLU width, its parameters)"
     )
     max_seq_len: int | None = shape("longest sequence (RoPE table)")
-    rope_theta: float | None = shape("RoPE base")
-    norm_eps: float | None = shape("RMSNorm epsilon")
+    rope_theta: float | None = shape("RoPE base", domain=ROPE_THETA)
+    norm_eps: float | None = shape("RMSNorm epsilon", domain=NORM_EPS)
     tie_embeddings: bool | None = shape("share the LM head with the token embedding", recipe=True)
     qk_norm: bool | None = shape(
         "RMSNorm over each head's queries and keys before RoPE (as Qwen3; exports as Qwen3ForCausalLM)", recipe=True
@@ -484,8 +491,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if cfg.plan_gpu:  # a train run checks it too: config.toml keeps only values that plan
         gpus.card(cfg.plan_gpu)
-    if cfg.resume_require and not cfg.resume:
-        raise ConfigError("'resume_require' needs --resume (it says what --resume does without a checkpoint)")
+    for key in ("resume_require", "resume_or_start"):
+        if getattr(cfg, key) and not cfg.resume:
+            raise ConfigError(f"'{key}' is a kind of --resume: drop --no-resume (or resume = false)")
+    if cfg.resume_require and cfg.resume_or_start:
+        raise ConfigError("'resume_require' and 'resume_or_start' disagree on a folder with nothing to resume")
     if not cfg.out.strip():  # an unset shell variable: the run would fill the current folder
         raise ConfigError("'out' is empty: give the run folder (--out DIR)")
     if cfg.parallel == "fsdp" and cfg.compile_mode in CUDA_GRAPH_MODES:
@@ -583,7 +593,8 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str, run: dict
     """Merge defaults, the preset's batch, the CPU profile, the recipe, a resumed `run`'s config.toml
     (cli.resumed_run), the TOML file and the CLI (later wins), then validate."""
     file_values = load_toml(config_file) if config_file else {}
-    given = {**(run or {}), **file_values, **{k: coerce(k, v, "command line") for k, v in cli.items()}}
+    flags = {k: coerce(k, v, "command line") for k, v in cli.items()}
+    given = {**(run or {}), **resume_implied(file_values), **resume_implied(flags)}
     merged: dict[str, Any] = dict(CPU_PROFILE) if device == "cpu" else {}
     merged.update(recipe_values(given.get("recipe", FIELDS["recipe"].default)))
     merged.update(given)
@@ -599,6 +610,14 @@ def resolve(cli: dict[str, Any], config_file: str | None, device: str, run: dict
     if cfg.batch_warmup_steps and not cfg.batch_warmup_start:  # fixed now: --micro-batch auto must keep it
         cfg.batch_warmup_start = configured_micro_batch(cfg)
     return validate(cfg)
+
+
+def resume_implied(values: dict[str, Any]) -> dict[str, Any]:
+    """Flags (or a TOML file's keys) with --resume-require or --resume-or-start and no word of --resume:
+    each is a kind of --resume, and alone means it too."""
+    if "resume" not in values and (values.get("resume_require") or values.get("resume_or_start")):
+        return {**values, "resume": True}
+    return values
 
 
 def recipe_values(name: str) -> dict[str, Any]:

@@ -8,10 +8,11 @@ fault. Only a command's `main` turns them into one `fastpt: error: ...` line and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NoReturn, TextIO
 
 USAGE_EXIT = 2  # a user's mistake, as argparse exits
@@ -47,6 +48,38 @@ class DiskError(FastptError):
     the path and the OS's reason. Exit 1: the command line was right, the machine said no."""
 
     exit_code = 1
+
+
+class OutOfMemory(FastptError):
+    """The run asked for more memory than the machine (or the GPU) has. Exit 1: the command line was
+    valid, the machine said no."""
+
+    exit_code = 1
+
+
+def out_of_memory(e: BaseException) -> str:
+    """The allocator's own line when `e` is a failed allocation (CPU or GPU), else ''."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError: CUDA's
+        return line
+    if isinstance(e, RuntimeError) and (at := text.find("can't allocate memory")) >= 0:  # CPU: from its own words on
+        return text[at:].split(". Error code")[0]
+    return ""
+
+
+@contextlib.contextmanager
+def memory_as_error(what: str) -> Iterator[None]:
+    """A failed allocation while `what` runs is one OutOfMemory line saying what to change, not a traceback."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        if not (reason := out_of_memory(e)):
+            raise
+        raise OutOfMemory(
+            f"out of memory {what} ({reason}): --plan shows what the run needs; a smaller shape or --micro-batch, "
+            "or --activation-checkpointing, fits in less"
+        ) from None
 
 
 class MissingPackage(FastptError, ImportError):

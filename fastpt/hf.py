@@ -319,11 +319,12 @@ def parse_size(text: str) -> int | str:
     hub = require("huggingface_hub", "exporting to Hugging Face", "huggingface_hub")
     size: int | str = int(text) if text.strip().isdigit() else text.strip()
     try:
-        hub.split_torch_state_dict_into_shards({"probe": torch.zeros(1)}, max_shard_size=size)
         number = float(size[:-2]) if isinstance(size, str) else size  # the hub's units are two letters
+        if math.isfinite(number):  # 1e400GB: the hub's int() of it overflows
+            hub.split_torch_state_dict_into_shards({"probe": torch.zeros(1)}, max_shard_size=size)
     except ValueError:
         number = 0
-    if not number > 0:
+    if not (number > 0 and math.isfinite(number)):
         raise ConfigError(f"'--max-shard-size' must be a size such as 5GB or 500MB, got {text!r}")
     return size
 

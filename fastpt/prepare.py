@@ -208,6 +208,21 @@ def check_options(
         raise ConfigError(f"--tokenizer-sample {tokenizer_sample_mb}: must be > 0 (megabytes)")
 
 
+def worker_count(requested: int) -> int:
+    """The tokenizer processes --workers asks for (0: one per core), at most one per core this process
+    may use: more only wait their turn, each a process of its own (a million would spawn until the
+    machine gave out), so they are capped, saying so."""
+    usable = cores.all_cores()
+    if requested > usable:
+        print(
+            f"fastpt: warning: --workers {requested} is more than the {usable} cores this process may use: "
+            f"using {usable}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return min(requested or usable, usable)
+
+
 def prepare(
     inputs: list[str | Path],
     out: str | Path,
@@ -234,7 +249,7 @@ def prepare(
     if skipped:
         names = ", ".join(map(str, skipped[:3])) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
         print(f"--skip-binary: left out {len(skipped)} file(s) that are not text: {names}", flush=True)
-    workers = workers or cores.all_cores()
+    workers = worker_count(workers)
     start = time.perf_counter()
     with files.staged(out, "fastpt.prepare") as tmp:
         (tmp / INCOMPLETE).touch()  # what train refuses, should this folder ever be published unfinished
@@ -349,7 +364,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"tail of the tokens held out for validation, at most {MAX_VAL_FRACTION} "
         f"(default: %(default)s, at least {MIN_VAL_TOKENS} tokens)",
     )
-    ap.add_argument("--workers", type=int, default=0, help="tokenizer processes; 0 = all cores (default: %(default)s)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="tokenizer processes, at most one per core (more are capped, saying so); 0 = all cores "
+        "(default: %(default)s)",
+    )
     ap.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard (default: %(default)s)")
     ap.add_argument(
         "--skip-binary",

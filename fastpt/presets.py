@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from fastpt.errors import ConfigError
-from fastpt.settings import SOFTCAP
+from fastpt.settings import NORM_EPS, ROPE_THETA, SOFTCAP
 
 MAX_PARAMS = 10**11  # 100B: far beyond a small-model engine's one node, yet a bound before allocating
 MAX_SEQ_LEN = 2**20
@@ -120,10 +120,9 @@ class ModelConfig:
             raise ConfigError(
                 f"head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) must be even for RoPE"
             )
-        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
-            raise ConfigError(f"'norm_eps' must be a finite number > 0, got {self.norm_eps}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ConfigError(f"'rope_theta' must be a finite number > 0, got {self.rope_theta}")
+        for key, domain in (("norm_eps", NORM_EPS), ("rope_theta", ROPE_THETA)):
+            if getattr(self, key) not in domain:
+                raise ConfigError(f"'{key}' must be {domain} (a finite number), got {getattr(self, key)}")
         if self.max_seq_len > MAX_SEQ_LEN:
             raise ConfigError(f"'max_seq_len' = {self.max_seq_len:,} is beyond {MAX_SEQ_LEN:,}")
         if self.mlp not in MLPS:
@@ -157,6 +156,19 @@ class ModelConfig:
 CONFIG_FORMAT = 2
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))
 SHAPE_FIELDS = tuple(k for k in MODEL_FIELDS if k not in ("attention", "doc_token"))  # the TrainConfig shape keys
+
+
+def upgraded_run(run: dict[str, Any], saved: dict) -> dict[str, Any]:
+    """A run's config.toml values in this format's terms, given its checkpoint's model config `saved`:
+    a format-1 relu2 run's ffn_dim was SwiGLU's width (its MLP 3/2 of it), and is now the MLP's own.
+    Only a value still in format 1's terms (the checkpoint's own) changes, so an upgraded config.toml,
+    written before the run's first format-2 checkpoint, stays as it is."""
+    old_relu2 = saved.get("format", 1) == 1 and saved.get("mlp") == "relu2"
+    if old_relu2 and "ffn_dim" in saved and run.get("ffn_dim") == saved["ffn_dim"]:
+        return {**run, "ffn_dim": ModelConfig.from_dict(saved).ffn_dim}
+    return run
+
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=0, dim=128, n_layers=2, n_heads=4, ffn_dim=352, max_seq_len=256),
     "0.04b": ModelConfig(),

@@ -7,13 +7,13 @@ the model traced, and --resume says what it will do. The lock on the folder
 from __future__ import annotations
 
 import difflib
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastpt.checkpoint import latest
 from fastpt.errors import ConfigError
 from fastpt.files import check_unlocked, os_reason
+from fastpt.typos import is_typo
 
 if TYPE_CHECKING:
     from fastpt.config import TrainConfig
@@ -43,12 +43,23 @@ def nearest_run(run_dir: Path) -> str:
 
 
 def typo_of(run_dir: Path) -> str:
-    """The run `run_dir` misspells: a missing folder's nearest run, unless the two names differ only
-    in their digits (seed2 beside seed1, or run2 beside run: the next run of a sweep, which --resume
-    may start), or ''."""
-    near = "" if run_dir.exists() else nearest_run(run_dir)
-    letters = lambda name: re.sub(r"\d", "", name)
-    return near if near and letters(Path(near).name) != letters(run_dir.name) else ""
+    """The run folder `run_dir` misspells, or '': at its first folder that does not exist, a folder
+    beside it whose name that one is a typo of (typos.is_typo: one edit, not a sweep's next name), when
+    the path through it is a run, or (a typo above the run's own folder) leads to a folder of runs."""
+    parts = run_dir.parts
+    at = next((i for i in range(len(parts)) if not Path(*parts[: i + 1]).exists()), None)
+    if at is None:
+        return ""
+    missing, rest = Path(*parts[: at + 1]), parts[at + 1 :]
+    try:
+        beside = sorted(p.name for p in missing.parent.iterdir() if p.is_dir())
+    except OSError:  # a folder that cannot be listed: no guess
+        return ""
+    for name in beside:
+        meant = missing.parent.joinpath(name, *rest)
+        if is_typo(missing.name, name) and (is_run(meant) or (rest and held_runs(meant.parent))):
+            return str(meant)
+    return ""
 
 
 def nothing_to_resume(run_dir: Path) -> str:
@@ -82,10 +93,12 @@ def _check_out(cfg: TrainConfig, run_dir: Path) -> str:
             return ""
         if cfg.resume_require:
             raise ConfigError(f"--resume-require: nothing to resume, {nothing_to_resume(run_dir)}")
-        if typo_of(run_dir):  # training into the typo would start a second run beside the one meant
+        if cfg.resume_or_start:  # a script's form: no guess at what else it may have meant
+            return f"--resume-or-start: nothing to resume in {run_dir}; starting the run from step 0"
+        if meant := typo_of(run_dir):  # training into the typo would start a second run beside the one meant
             raise ConfigError(
-                f"--resume: nothing to resume, {nothing_to_resume(run_dir)}: "
-                "give that run's folder, or drop --resume to start a new run here"
+                f"--resume: nothing to resume, {run_dir} does not exist (did you mean {meant}?): give that run's "
+                "folder, or drop --resume to start a new run here (scripts: --resume-or-start never refuses)"
             )
         return f"--resume: nothing to resume, {nothing_to_resume(run_dir)}; starting the run from step 0"
     if found:  # a fresh run would mix its checkpoints with the old ones

@@ -63,6 +63,13 @@ DECAY = Interval(0, 10)  # decoupled weight decay: a step shrinks the weights by
 # cap * tanh(logits / cap): Gemma 2's 30, nanochat's 15; below 1 no token can stand out, above 1,000
 # no logit is ever capped (and past fp32's 3.4e38 the cap itself overflows).
 SOFTCAP = Interval(1, 1000, or_off=True)
+# RMSNorm's epsilon guards a division: published models use 1e-6 to 1e-5, and an activation at init
+# has a mean square near 4e-4 (std 0.02); past 0.01 the epsilon, not the activations, sets the scale
+# (1e300 trained a dead model).
+NORM_EPS = Interval(0, 0.01, low_open=True)
+# RoPE's base: Llama's 1e4 to Llama 3's 5e5 and long-context models' 1e6-1e7. At 1 or below every
+# frequency is a full turn per token or more (no order left); past 1e9 the slowest ones never turn.
+ROPE_THETA = Interval(1, 1e9, low_open=True)
 
 
 def setting(

@@ -22,9 +22,9 @@ from fastpt import checkpoint, distributed
 from fastpt.checkpointer import build_checkpointer, save_checkpoint, start_or_resume
 from fastpt.cli import parse_args, resumed_run
 from fastpt.config import TrainConfig, check_runtime, pick_device, resolve
-from fastpt.data.dataset import Data, build_data, packing_warning
+from fastpt.data.dataset import Data, build_data, check_out_of_data, packing_warning
 from fastpt.distributed import Preemption
-from fastpt.errors import print_or_drop, run_command
+from fastpt.errors import ConfigError, memory_as_error, print_or_drop, run_command
 from fastpt.evaluate import Evaluator, describe_eval
 from fastpt.metrics import Dashboard, Pace, own_run_folder, summary, write_run_folder
 from fastpt.optim import apply_schedule
@@ -70,6 +70,23 @@ def preempted_exit(signum: int, step: int, saved: bool, log) -> int:
     return 128 + signum
 
 
+RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl")  # what metrics.write_run_folder writes
+
+
+def take_back(made: list[Path], state: TrainState):
+    """An exit callback: a run stopped before its first step (a model too big for memory, a Ctrl-C
+    while it compiles) deletes the run folder's files it `made`, so the folder is as it found it
+    (files.owned_folder then takes back the lock file and the folders it made)."""
+
+    def undo(exc_type, exc, tb) -> bool:
+        if exc_type is not None and state.step == 0:
+            for path in made:
+                path.unlink(missing_ok=True)
+        return False
+
+    return undo
+
+
 def introduce(
     cfg: TrainConfig, data: Data, net: Net, dash: Dashboard, step: int, chosen: str, backend: Backend, log
 ) -> None:
@@ -100,7 +117,8 @@ def train(
     joins the summary; `fresh_note`, why a --resume starts afresh); returns the process exit code."""
     device = d.device(cfg.device)
     log = print_or_drop if d.is_main else (lambda *a, **k: None)
-    with ExitStack() as cleanup:  # whatever ends the run, everything opened here is closed
+    # Whatever ends the run, everything opened here is closed: a failed allocation first becomes one line.
+    with ExitStack() as cleanup, memory_as_error("training the run"):
         if d.is_main:
             own_run_folder(cfg, cleanup)
         data = build_data(cfg, d, device)
@@ -110,7 +128,14 @@ def train(
         state = TrainState()
         ckpt = build_checkpointer(cfg, data, net, state, d.is_main)
         start_or_resume(cfg, ckpt, device, log, fresh_note)
+        if state.step > cfg.max_steps:  # refused before config.toml takes the lower max_steps
+            raise ConfigError(
+                f"'max_steps' = {cfg.max_steps} is below step {state.step}, where --resume continues {cfg.out} "
+                f"from: a resume continues the run, give --max-steps {state.step} or more"
+            )
+        made = [Path(cfg.out) / name for name in RUN_FILES if d.is_main and not (Path(cfg.out) / name).exists()]
         metrics = cleanup.enter_context(closing(write_run_folder(cfg, data.dir, state.step))) if d.is_main else None
+        cleanup.push(take_back(made, state))
         write_record = metrics.log if metrics else (lambda record: None)  # metrics.jsonl: the main rank's
         seq_len = data.train.seq_len
         dash = Dashboard.for_run(cfg, net.raw.cfg.flops_per_token(seq_len), seq_len, device, d.world_size)
@@ -171,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(cli)
     cfg = resolve(cli, config_file, device, resumed_run(cli, config_file, device))
     check_runtime(cfg)
+    check_out_of_data(cfg.out, cfg.data)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
     capped = distributed.threads_capped(cfg.threads)
     cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))

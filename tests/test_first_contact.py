@@ -92,7 +92,8 @@ def test_resume_require_refuses_to_start_over(runs, tiny_data, capsys, no_work):
     assert not typo.exists()
     train_refuses(capsys, tiny_args(tiny_data, typo, "--resume=require"), "--resume-require: nothing to resume")
     assert not typo.exists()
-    train_refuses(capsys, tiny_args(tiny_data, typo, "--resume-require"), "'resume_require' needs --resume")
+    train_refuses(capsys, tiny_args(tiny_data, typo, "--resume-require"), "--resume-require: nothing to resume")
+    assert not typo.exists()
 
 
 @pytest.mark.parametrize("resume", ["--resume", "--resume=require"])

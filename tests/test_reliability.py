@@ -319,7 +319,7 @@ BAD_ARGS = {
     "a sequence table too long": (["--max-seq-len", "10000000000"], "'max_seq_len' = 10,000,000,000 is beyond"),
     "vocab below the data's": (["--vocab-size", "100"], "'vocab_size' = 100 is smaller than the data's vocab (257)"),
     "seq_len > max_seq_len": (["--max-seq-len", "16"], "'seq_len' = 32 is longer than 'max_seq_len' = 16"),
-    "nan norm eps": (["--norm-eps", "nan"], "'norm_eps' must be a finite number > 0, got nan"),
+    "nan norm eps": (["--norm-eps", "nan"], "'norm_eps' must be in (0, 0.01] (a finite number), got nan"),
 }
 
 

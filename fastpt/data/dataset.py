@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fastpt.checkpoint import resumed_model
+from fastpt.checkpoint import latest, resumed_model
 from fastpt.config import TrainConfig
 from fastpt.data.loader import TrainLoader
 from fastpt.data.shards import INCOMPLETE, MAX_VOCAB, content_key, read_shard, shard_vocab
@@ -64,11 +65,37 @@ def find_shards(folder: str | Path, split: str, data_format: str = "llmc") -> li
     shards = sorted(folder.glob(pattern))
     if shards:
         return shards
+    raise DataError(no_shards(folder, split, pattern, data_format))
+
+
+def no_shards(folder: Path, split: str, pattern: str, data_format: str) -> str:
+    """Why `folder` holds no `pattern` shards, and what to give instead."""
+    if (folder / "config.toml").is_file() or latest(folder):
+        return (
+            f"--data {folder} is a training run's folder (config.toml, checkpoints), not data: give the "
+            "prepared data it trained on (its config.toml's data)"
+        )
+    if data_format == "nanogpt" and any(folder.glob(f"*{split}_*.bin")):
+        return f"data folder {folder} holds llm.c-format shards ({split}_*.bin): drop --data-format nanogpt"
     if data_format == "llmc" and (folder / f"{split}.bin").exists():
-        raise DataError(f"data folder {folder} has nanoGPT's {split}.bin: add --data-format nanogpt")
-    if any(p.is_file() and p.suffix != ".bin" and not p.name.startswith(".") for p in folder.iterdir()):
-        raise DataError(f"data folder {folder} holds text but no {pattern} token shards: {prepare_hint(folder)}")
-    raise DataError(f"data folder {folder} has no {pattern} files")
+        return f"data folder {folder} has nanoGPT's {split}.bin: add --data-format nanogpt"
+    if holds_files(folder):
+        return f"data folder {folder} holds text but no {pattern} token shards: {prepare_hint(folder)}"
+    return f"data folder {folder} has no {pattern} files"
+
+
+def holds_files(folder: Path, most: int = 10_000) -> bool:
+    """A file that is no shard in `folder` or a folder inside it (what fastpt.prepare reads), hidden
+    ones aside; at most about `most` entries are looked at, so a huge tree is not walked whole."""
+    seen = 0
+    for _, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if any(not n.startswith(".") and not n.endswith(".bin") for n in names):
+            return True
+        seen += len(dirs) + len(names)
+        if seen > most:
+            break
+    return False
 
 
 def data_vocab(folder: Path, shards: list[Path], headerless: bool) -> int:
@@ -176,6 +203,17 @@ def data_sources(spec: str) -> list[Source]:
             )
         sources.append(Source(Path(name), value))
     return sources
+
+
+def check_out_of_data(out: str, data: str) -> None:
+    """--out is neither a --data folder nor inside one: the run's files and checkpoints would lie among
+    the shards (a prepare --overwrite of the data would delete the run)."""
+    run = Path(out).resolve()
+    for source in data_sources(data):
+        folder = source.folder.resolve()
+        if run == folder or folder in run.parents:
+            where = "is" if run == folder else "is inside"
+            raise ConfigError(f"--out {out} {where} the data folder {source.folder}: give the run a folder of its own")
 
 
 def source_names(sources: list[Source]) -> list[str]:

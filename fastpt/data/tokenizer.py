@@ -190,15 +190,29 @@ def build_tokenizer(spec: str, vocab_size: int, sample: Callable[[], Iterable[st
     if spec.startswith("tiktoken:"):
         return TiktokenTokenizer(spec.removeprefix("tiktoken:"))
     if spec.startswith("hf:"):
-        from tokenizers import Tokenizer
-
-        try:
-            return HFTokenizer(Tokenizer.from_pretrained(spec.removeprefix("hf:")))
-        except Exception as e:  # offline, a private repo, or no tokenizer.json in it
-            raise DataError(f"--tokenizer {spec}: cannot fetch it from the Hugging Face Hub ({e})") from None
+        return load_tokenizer(hub_tokenizer(spec))
     if not Path(spec).exists():
         raise DataError(f"--tokenizer {spec}: no such file; give {KINDS}")
     return load_tokenizer(spec)
+
+
+def hub_tokenizer(spec: str) -> Path:
+    """The tokenizer.json of the Hub repo `spec` (hf:NAME) names: the local cache's, else fetched. One
+    request first says whether the Hub answers, so offline (or HF_HUB_OFFLINE) is one line at once,
+    not the Hub client's retries (28 s of them)."""
+    import huggingface_hub as hub
+
+    name = spec.removeprefix("hf:")
+    try:
+        return Path(hub.hf_hub_download(name, "tokenizer.json", local_files_only=True))
+    except Exception:  # not in the cache (or a cache it cannot read): ask the Hub
+        pass
+    try:
+        hub.get_hf_file_metadata(hub.hf_hub_url(name, "tokenizer.json"), timeout=10)
+        return Path(hub.hf_hub_download(name, "tokenizer.json"))
+    except Exception as e:  # offline, a private repo, or no tokenizer.json in it
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"--tokenizer {spec}: cannot fetch it from the Hugging Face Hub ({reason})") from None
 
 
 def pick_tokenizer_path(given: str | Path | None, found: Path | None) -> Path | None:
