@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -187,6 +188,24 @@ def test_a_kernel_made_wrong_is_named(interpreted, monkeypatch, op, how):
     found = selftest.failures(launches(), CPU)
     said = " differs from the reference by " if how == "wrong" else "with gradients: RuntimeError: PTX .version"
     assert list(found) == [op] and found[op].startswith(op) and said in found[op], found
+
+
+@pytest.mark.parametrize(
+    "step, said",
+    [("probe_inputs", "the probe's inputs could not be made: "), ("as_computed", "the probe's oracle failed: ")],
+)
+def test_a_probe_that_raises_is_a_failure_of_its_kernel(interpreted, monkeypatch, step, said):
+    """An exception while the probe makes its inputs or runs its oracle (a GPU out of memory) is that
+    kernel's failure, said like any other, not an exception out of the check: under torchrun the
+    other ranks learn it through the store instead of waiting for a rank that died."""
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(selftest, step, raises)
+    found = selftest.failures(launches(), CPU)
+    assert list(found) == ["rms_norm", "linear_cross_entropy"], found
+    assert all(f"with gradients: {said}RuntimeError: CUDA out of memory." in why for why in found.values()), found
 
 
 def region_wrong(monkeypatch, where: str) -> None:
@@ -393,4 +412,36 @@ def test_ranks_agree_and_a_failing_rank_says_why(tiny_data, tmp_path):
         len(warnings) == 1 and "fastpt: warning: rank 1: kernel rms_norm failed its check on cpu in fp32" in warnings[0]
     )
     assert "| kernels torch (auto: rms_norm failed its check on rank 1) |" in result.stdout, result.stdout
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 2
+
+
+@pytest.mark.slow
+def test_a_probe_that_raises_on_one_rank_falls_back_on_every_rank(tiny_data, tmp_path):
+    """Under torchrun (2 gloo processes, the kernels interpreted) rank 1's probe raises while it makes
+    its inputs (as a GPU out of memory would): rank 1 says so for each kernel, and both ranks train on
+    the reference, within the collective timeout. The exception used to end rank 1 before it shared
+    its result: torchrun then stopped the run (a rank on another machine waits for that result until
+    the timeout)."""
+    args = [*tiny_args(tiny_data, tmp_path / "run", max_steps=2), "--micro-batch", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "FASTPT_COLLECTIVE_TIMEOUT": "120"}
+    started = time.monotonic()
+    result = subprocess.run(
+        faults.script_args("probe-raises", 1, *args, nproc=2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert time.monotonic() - started < 120  # no rank waited out the collective timeout
+    warnings = sorted(line for line in result.stderr.splitlines() if "fastpt: warning: " in line and "kernel" in line)
+    assert len(warnings) == 2, warnings
+    for warning, kernel in zip(warnings, ("linear_cross_entropy", "rms_norm")):
+        assert warning.startswith(
+            f"fastpt: warning: rank 1: kernel {kernel} failed its check on cpu in fp32: {kernel}("
+        )
+        assert "the probe's inputs could not be made: RuntimeError: CUDA out of memory." in warning, warning
+    failed = "failed its check on rank 1"
+    assert f"| kernels torch (auto: linear_cross_entropy {failed}; rms_norm {failed}) |" in result.stdout, result.stdout
     assert read_metrics(tmp_path / "run")[-1]["step"] == 2
