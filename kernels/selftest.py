@@ -60,7 +60,9 @@ __all__ = [
     "bias_tolerance",
     "failures",
     "probe_inputs",
+    "probe_rows",
     "probe_vocab",
+    "probed_options",
     "recording",
     "run",
 ]
