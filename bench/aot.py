@@ -252,10 +252,10 @@ def run_launches(cfg: TrainConfig, mcfg: ModelConfig) -> None:
 
 
 def probe_launches(launches: list[selftest.Launch]) -> None:
-    """The kernels the self-check's probes of `launches` launch on a GPU (selftest.ROWS rows)."""
+    """The kernels the self-check's probes of `launches` launch on a GPU (its rows and chunks)."""
     with FakeTensorMode(), kernels.tracing_only(), _RunBodies():
         for launch in launches:
-            selftest.run(launch, selftest.probe_inputs(launch, torch.device("cpu"), selftest.ROWS), "triton", [])
+            selftest.run(launch, selftest.probe_inputs(launch, torch.device("cpu"), gpu=True), "triton", [])
 
 
 def _rms_norm(n: int, d: int, dtype: torch.dtype) -> None:

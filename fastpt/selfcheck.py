@@ -1,15 +1,16 @@
 """The kernels checked where they are about to run: before a run plans (--micro-batch auto) and
 builds its model, on a GPU (or under TRITON_INTERPRET=1) with --kernels auto or triton, each kernel
-launch the run's model makes runs a small probe in the run's dtypes and shapes against the PyTorch
-reference (fastpt.kernels.selftest). No fastpt kernel had run on a GPU in bf16 before a user's run,
-and Triton's interpreter cannot check that.
+launch the run's model makes runs a small probe in the run's dtypes and shapes, with its program
+structure, against the PyTorch reference (fastpt.kernels.selftest). No fastpt kernel had run on a
+GPU in bf16 before a user's run, and Triton's interpreter cannot check that.
 
 The launches are the model's own (`launches`): a forward of the run's model as training makes it
 and evaluation's forward without gradients, over fake tensors with one block (each launches alike),
 each distinct call of a kernel op noted: the norms over the hidden size, QK-norm's over the head
 size (bf16 queries and keys, fp32 weights in a bf16 run), the loss with its options. Under torchrun
 every rank probes its own device and the ranks agree through the rendezvous store: a kernel that
-fails on any rank falls back on every one, and each failing rank says why."""
+fails on any rank falls back on every one, and each failing rank says why (a probe that raises, out
+of memory say, is its kernel's failure: no rank leaves the others waiting for its result)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """The scratch memory the Triton launchers allocate beyond their outputs, computed without Triton:
 what a memory planner adds while an op runs (an op's fake implementation shows only its outputs)."""
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 CHUNK_BYTES = 256 * 2**20  # logits held at once by linear + cross-entropy; 4K rows of a 32K vocabulary in bf16
@@ -12,6 +15,18 @@ def chunk_rows(n_rows: int, n_cols: int, dtype: torch.dtype) -> int:
     bytes_per_row = n_cols * dtype.itemsize
     n_chunks = max(1, -(-n_rows * bytes_per_row // CHUNK_BYTES))
     return max(1, -(-n_rows // n_chunks))
+
+
+@contextlib.contextmanager
+def chunk_limit(limit: int) -> Iterator[None]:
+    """While inside, linear + cross-entropy's chunks hold at most `limit` bytes of logits: the
+    self-check's few rows split into several chunks, as a run's many are."""
+    global CHUNK_BYTES
+    before, CHUNK_BYTES = CHUNK_BYTES, limit
+    try:
+        yield
+    finally:
+        CHUNK_BYTES = before
 
 
 def linear_cross_entropy_bytes(input: torch.Tensor, weight: torch.Tensor, compute_dtype: torch.dtype) -> int:

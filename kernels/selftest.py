@@ -9,11 +9,17 @@ the autocast dtype around the call and whether it runs with gradients), so a cal
 model's calls (over fake tensors: fastpt.selfcheck) and probes each distinct launch, forward and,
 with gradients, backward; an argument an op gains later is recorded and probed with no edit here.
 A probe keeps what picks the kernels' code: the trailing sizes, the dtypes, the options, and so
-each kernel's tile; it narrows the rest. On a GPU ROWS rows, a multiple of 16 as a run's rows are,
-so that Triton specializes the integer arguments as for the run (all but the RMSNorm backward's
-rows per program), fewer under the interpreter; and a loss's vocabulary cut to two tiles of the
-cross-entropy kernel's sweep, a full one and then one as long as the run's last (ragged when the
-run's is, with the same padding), so that the sweep's carry from tile to tile is checked too.
+each kernel's tile; it narrows the rest, keeping the program structure the run's launch has
+(`probe_rows`): a loss's rows in several chunks of linear + cross-entropy's fp32 weight-gradient
+accumulation, each several programs of the cross-entropy kernel; a norm's rows filling every
+program of the RMSNorm backward with several tiles, summed into its weight gradient. On a GPU in
+multiples of ROWS, as a run's rows are a multiple of 16, so that Triton specializes the integer
+arguments as for the run (all but the RMSNorm backward's rows per program); fewer under the
+interpreter. A loss's vocabulary is cut to two tiles of the cross-entropy kernel's sweep, a full one
+and then one as long as the run's last (ragged when the run's is, with the same padding), and one
+row's largest logit comes in the last, so that the sweep's carry from tile to tile is checked too.
+What a run's coefficients keep below bf16's precision is probed where it shows: logits as large as
+the soft-cap, where it bends; RMSNorm's eps and z-loss's coefficient raised (`probed_options`).
 
 The oracle is the reference in float64 on the inputs as the op computes with them (those an
 autocast matmul rounds, rounded first), with the kernel's upstream gradient. Each output is held to
@@ -29,8 +35,9 @@ reference's own error in the run's dtype where that is larger:
   and gradients, the weight gradients) errs by less than u in every element, so its bias, a
   weighted average of those errors, cannot pass u: no false alarm on any shape, where a 0.5% scale
   error reads 5e-3. The loss and its gradients come through bf16 logits, averages of many
-  roundings: in bf16 the reference's own bias stays under u / 2 (tests/test_selfcheck.py), where a
-  loss 0.05 nat off reads 0.05 / ln(vocab) ~ 5e-3.
+  roundings: in bf16 the reference's own bias stays under u / 2 on a GPU's probe, capped at 30
+  (logits up to 30, rounded by up to 0.06) or not (tests/test_selfcheck.py), where a loss 0.05 nat
+  off reads 6e-3.
 """
 
 import contextlib
@@ -41,7 +48,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from . import api
+from . import api, reference
 
 __all__ = [
     "Launch",
@@ -53,7 +60,9 @@ __all__ = [
     "bias_tolerance",
     "failures",
     "probe_inputs",
+    "probe_rows",
     "probe_vocab",
+    "probed_options",
     "recording",
     "run",
 ]
@@ -63,12 +72,29 @@ AUTOCAST_MATMUL = ("linear_cross_entropy",)  # ops whose matmul runs in the auto
 # The largest difference, relative to the oracle's largest magnitude: fp32 kernels agree to ~1e-5
 # (the margin covers the reductions' order), 16-bit ones to a rounding of their inputs and outputs.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2}
-# The probe's rows. On a GPU 16, as a run's rows are a multiple of 16, so that the probe's launches
-# compile once for both (tests/test_aot.py); Triton's interpreter compiles nothing and pays per row
-# (a program each), so 8 there. A loss ignores every other row (-100, as padding makes), so that the
-# mean's 1 / rows counted is exact in 16-bit floats (else rounding it scales every gradient alike: up
-# to a unit roundoff of bias in the reference's own); its second row targets the last logit.
-ROWS, INTERPRETED_ROWS = 16, 8
+# The probe's rows come in multiples of ROWS on a GPU, as a run's rows are a multiple of 16, so that
+# Triton specializes the integer arguments as for the run (tests/test_aot.py), and enough that the
+# rounding of a loss's bf16 logits averages out; Triton's interpreter compiles nothing and pays per
+# row (a program each), so INTERPRETED_ROWS there. A loss's rows are CHUNKS chunks of linear +
+# cross-entropy's fp32 weight-gradient accumulation, each two programs of the cross-entropy kernel;
+# a norm's fill every program the RMSNorm backward runs on the device with TILES_PER_PROGRAM tiles,
+# summed into its weight gradient. A loss ignores every other row (-100, as padding makes), so that
+# the mean's 1 / rows counted is a power of two, exact in 16-bit floats (else rounding it scales
+# every gradient alike: up to a unit roundoff of bias in the reference's own).
+ROWS, INTERPRETED_ROWS = 32, 2
+CHUNKS, TILES_PER_PROGRAM = 4, 2
+# A loss's logits: LOGIT_SCALE standard deviations, a peaked softmax as a trained model's, whose
+# targets (but the second row's) are drawn from it, so that the softmax's share of the gradient is as
+# large as the target's and the loss a few nats; where the loss caps, at least a quarter of the cap,
+# so that the largest logits (about 4 standard deviations) reach the cap, where cap * tanh(x / cap)
+# bends. The second row targets the last logit, its largest: that row's maximum comes in the sweep's
+# last tile, so that the running sum's rescaling from tile to tile shows.
+LOGIT_SCALE = 2.0
+# Terms a run keeps below bf16's precision are probed where they show (runtime arguments: the same
+# compiled kernels): RMSNorm's eps against a mean square of about 1 (1e-6 changes nothing a bf16
+# result can hold), and z-loss's coefficient where its gradient, 2 * z_loss * lse * softmax, is
+# Z_LOSS_SHARE of the softmax's own (1e-4 at lse ~10 adds 0.2%, half a bf16 unit roundoff).
+PROBE_EPS, Z_LOSS_SHARE = 0.5, 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,45 +196,106 @@ def _matmul_dtype(launch: Launch) -> torch.dtype:
     return functools.reduce(torch.promote_types, floats)
 
 
-def probe_inputs(launch: Launch, device: torch.device, rows: int | None = None, seed: int = 0) -> dict:
-    """The probe's inputs of `launch` on `device`, random from `seed`: `rows` rows (ROWS on a GPU,
-    INTERPRETED_ROWS elsewhere), a loss's vocabulary cut to two tiles of the sweep."""
-    rows = rows or (ROWS if device.type == "cuda" else INTERPRETED_ROWS)
+def _logit_scale(launch: Launch) -> float:
+    """The standard deviation of the probe's logits: LOGIT_SCALE, or a quarter of the cap if more."""
+    return max(LOGIT_SCALE, dict(launch.options).get("softcap", 0.0) / 4)
+
+
+def probed_options(launch: Launch) -> dict:
+    """The launch's options as probed: eps raised to PROBE_EPS, and a z-loss in use to where its
+    gradient is Z_LOSS_SHARE of the softmax's (the log-sum-exp of the probe's logits is about their
+    largest, 4 standard deviations)."""
+    options = dict(launch.options)
+    if launch.op == "rms_norm":
+        options["eps"] = max(options["eps"], PROBE_EPS)
+    if options.get("z_loss"):
+        options["z_loss"] = max(options["z_loss"], Z_LOSS_SHARE / (2 * 4 * _logit_scale(launch)))
+    return options
+
+
+def probe_rows(launch: Launch, device: torch.device, gpu: bool | None = None) -> int:
+    """The probe's rows of `launch`: a loss's CHUNKS chunks of two cross-entropy programs each, a
+    norm's TILES_PER_PROGRAM tiles for each program its backward runs on `device`; in multiples of
+    ROWS where it runs compiled (`gpu`, by default on CUDA), INTERPRETED_ROWS elsewhere."""
+    from .ops import _launch, rms_norm  # imports triton: only where the kernels run
+    from .ops.cross_entropy import launch_plan
+
+    gpu = device.type == "cuda" if gpu is None else gpu
+    multiple = ROWS if gpu else INTERPRETED_ROWS
+    args = {a.name: a for a in launch.tensors}
+    if launch.op == "rms_norm":
+        block_rows = rms_norm._tile(args["x"].shape[-1], rms_norm.BWD_TILE)[0]
+        rows = _launch.max_programs(device) * TILES_PER_PROGRAM * block_rows
+        return -(-rows // multiple) * multiple
+    vocab, dtype = _logits(launch)
+    rows_per_program = launch_plan(probe_vocab(vocab, dtype), dtype.itemsize)[0]
+    return CHUNKS * max(multiple, 2 * rows_per_program)
+
+
+def _logits(launch: Launch) -> tuple[int, torch.dtype]:
+    """A loss's vocabulary and the dtype of its logits as the kernel reads them."""
+    args = {a.name: a for a in launch.tensors}
+    if launch.op == "cross_entropy":
+        return args["logits"].shape[-1], args["logits"].dtype
+    return args["weight"].shape[0], _matmul_dtype(launch)
+
+
+def probe_inputs(launch: Launch, device: torch.device, seed: int = 0, gpu: bool | None = None) -> dict:
+    """The probe's inputs of `launch` on `device`, random from `seed`: `probe_rows` rows, a loss's
+    vocabulary cut to two tiles of the sweep, its logits of `_logit_scale` and targets drawn from them."""
+    rows = probe_rows(launch, device, gpu)
     gen = torch.Generator(device).manual_seed(seed)
     args = {a.name: a for a in launch.tensors}
     options = dict(launch.options)
+    scale = _logit_scale(launch)
 
-    def randn(a: Arg, *shape: int) -> torch.Tensor:
-        return torch.randn(shape or ((rows,) if a.per_row else ()) + a.shape, generator=gen, device=device).to(a.dtype)
+    def randn(a: Arg, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        shape = shape or ((rows,) if a.per_row else ()) + a.shape
+        return (scale * torch.randn(shape, generator=gen, device=device)).to(a.dtype)
 
-    def target(vocab: int) -> torch.Tensor:
-        t = torch.randint(0, vocab, (rows,), generator=gen, device=device)
-        t[::2], t[1] = options["ignore_index"], vocab - 1
+    def target(logits: torch.Tensor) -> torch.Tensor:
+        capped = reference.soft_cap(logits.float(), options.get("softcap", 0.0))
+        gumbel = -(-torch.rand(capped.shape, generator=gen, device=device).log()).log()
+        t = (capped + gumbel).argmax(-1)  # a draw from the softmax (the Gumbel-max trick)
+        t[::2], t[1] = options["ignore_index"], logits.shape[1] - 1
         return t
 
     if launch.op == "rms_norm":
         return {"x": randn(args["x"]), "weight": 1 + 0.1 * randn(args["weight"])}
     if launch.op == "linear_cross_entropy":
-        (vocab, dim), logits = args["weight"].shape, _matmul_dtype(launch)
-        vocab = probe_vocab(vocab, logits)
-        weight = randn(args["weight"], vocab, dim) / dim**0.5  # logits of unit size
-        return {"input": randn(args["input"]), "weight": weight, "target": target(vocab)}
+        vocab, dim = probe_vocab(*_logits(launch)), args["weight"].shape[1]
+        x, weight = randn(args["input"]), randn(args["weight"], vocab, dim, scale=scale / dim**0.5)
+        # The last logit of the second row its largest, by one.
+        x1 = x[1].float()
+        weight[-1] = x1 * ((x1 @ weight[:-1].float().T).max() + 1) / x1.square().sum()
+        return {"input": x, "weight": weight, "target": target(x.float() @ weight.float().T)}
     if launch.op == "cross_entropy":
-        vocab = probe_vocab(args["logits"].shape[-1], args["logits"].dtype)
-        return {"logits": randn(args["logits"], rows, vocab), "target": target(vocab)}
+        logits = randn(args["logits"], rows, probe_vocab(*_logits(launch)), scale=scale)
+        logits[1, -1] = logits[1, :-1].max() + 1
+        return {"logits": logits, "target": target(logits)}
     raise NotImplementedError(f"no probe for the op {launch.op!r}: add its inputs to kernels/selftest.py")
 
 
+def _chunks(launch: Launch, inputs: dict) -> contextlib.AbstractContextManager:
+    """Linear + cross-entropy's chunks as the probe has them: CHUNKS of its rows."""
+    if launch.op != "linear_cross_entropy":
+        return contextlib.nullcontext()
+    from .scratch import ROW_ALIGN, chunk_limit
+
+    rows, vocab = inputs["input"].shape[0], inputs["weight"].shape[0]
+    return chunk_limit(rows // CHUNKS * (vocab + -vocab % ROW_ALIGN) * _matmul_dtype(launch).itemsize)
+
+
 def run(launch: Launch, inputs: dict, backend: str, upstream: list) -> list[torch.Tensor]:
-    """The op's results as `launch` makes it (its autocast, with or without gradients) on `inputs`,
-    then with gradients each input's gradient where the launch's requires one, for the upstream
-    gradients in `upstream` (made on the first call)."""
+    """The op's results as `launch` makes it (its autocast, with or without gradients, its options as
+    probed) on `inputs`, then with gradients each input's gradient where the launch's requires one,
+    for the upstream gradients in `upstream` (made on the first call)."""
     device = next(iter(inputs.values())).device.type
     wants_grad = {a.name: launch.grad and a.requires_grad for a in launch.tensors}
     leaves = {k: t.detach().requires_grad_(wants_grad[k]) for k, t in inputs.items()}
     autocast = torch.autocast(device, launch.autocast or torch.float32, enabled=launch.autocast is not None)
-    with torch.set_grad_enabled(launch.grad), autocast:
-        out = getattr(api, launch.op)(**leaves, **dict(launch.options), backend=backend)
+    with torch.set_grad_enabled(launch.grad), autocast, _chunks(launch, inputs):
+        out = getattr(api, launch.op)(**leaves, **probed_options(launch), backend=backend)
     outs = list(out) if isinstance(out, tuple) else [out]
     if not launch.grad:
         return [o.detach() for o in outs]
@@ -255,14 +342,31 @@ def as_computed(launch: Launch, inputs: dict) -> dict:
     return {k: computed(t) for k, t in inputs.items()}
 
 
-def _check(launch: Launch, device: torch.device) -> str | None:
+def _said(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def _check(launch: Launch, device: torch.device, seed: int) -> str | None:
     """What of the launch's outputs differs from the oracle beyond its tolerance, or beyond twice the
-    reference's own error in the run's dtype where that is larger; or why the kernel did not run."""
-    inputs, upstream = probe_inputs(launch, device), []
+    reference's own error in the run's dtype where that is larger; or why the kernel did not run, or
+    why the probe could not (its inputs or its oracle raised: a rank that raised would leave the
+    others waiting for its result)."""
+    try:
+        inputs, upstream = probe_inputs(launch, device, seed), []
+    except Exception as e:
+        return f"the probe's inputs could not be made: {_said(e)}"
     try:
         ours = run(launch, inputs, "triton", upstream)
     except Exception as e:  # a kernel that fails to compile or launch here: any error Triton raises
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+        return _said(e)
+    try:
+        return _compare(launch, inputs, upstream, ours)
+    except Exception as e:
+        return f"the probe's oracle failed: {_said(e)}"
+
+
+def _compare(launch: Launch, inputs: dict, upstream: list, ours: list[torch.Tensor]) -> str | None:
+    """_check's verdict on the kernel's outputs `ours`, against the oracle and the reference."""
     oracle = run(dataclasses.replace(launch, autocast=None), as_computed(launch, inputs), "torch", upstream)
     results = len(ours) - sum(a.requires_grad for a in launch.tensors if launch.grad)
     whats = ["the result"] if results == 1 else [f"result {i + 1} of {results}" for i in range(results)]
@@ -284,11 +388,11 @@ def _check(launch: Launch, device: torch.device) -> str | None:
     return None
 
 
-def failures(launches: list[Launch], device: torch.device) -> dict[str, str]:
-    """Each op whose kernel fails its probe of one of `launches` on `device`: the launch and what went
-    wrong; empty when all pass."""
+def failures(launches: list[Launch], device: torch.device, seed: int = 0) -> dict[str, str]:
+    """Each op whose kernel fails its probe (random from `seed`) of one of `launches` on `device`: the
+    launch and what went wrong; empty when all pass."""
     found: dict[str, str] = {}
     for launch in launches:
-        if launch.op not in found and (why := _check(launch, device)):
+        if launch.op not in found and (why := _check(launch, device, seed)):
             found[launch.op] = f"{launch}: {why}"
     return found

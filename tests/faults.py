@@ -1,7 +1,8 @@
 """Faults injected into fastpt.train from outside its code, in a real process (`python -c SCRIPT`:
 a SIGKILL during a step, after a logged step or halfway through writing a checkpoint; a file-size
 limit that makes big writes fail like a full disk, EFBIG, also for root; file permissions that hold
-for root too: as_a_user; one torchrun rank's RMSNorm kernel 10% off) or in this one through a
+for root too: as_a_user; one torchrun rank's RMSNorm kernel 10% off, or its kernel check's probe
+raising while it makes its inputs) or in this one through a
 MonkeyPatch (NaN losses at chosen steps, a disk that fills up after a step)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from fastpt import metrics, model
-from fastpt.kernels import functional
+from fastpt.kernels import functional, selftest
 
 IN_PROCESS = ("nan-at", "fill-disk-after-step")  # the faults that leave the process alive
 
@@ -74,6 +75,12 @@ def install(fault: str, at: str, argv: list[str], patch: Callable = setattr) -> 
     if fault == "wrong-kernel-on-rank" and os.environ.get("RANK") == str(at):  # only that rank's kernel
         real_norm = functional.rms_norm
         patch(functional, "rms_norm", lambda *args: real_norm(*args) * 1.1)
+    if fault == "probe-raises" and os.environ.get("RANK") == str(at):  # making its inputs, on that rank only
+
+        def raises(*args, **kwargs):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        patch(selftest, "probe_inputs", raises)
     if fault == "file-size-limit":
         import resource
 
