@@ -311,8 +311,10 @@ def extrapolated(a: Plan, b: Plan, k: float) -> Plan:
     line = lambda x, y: x + (y - x) * k
     common = [where for where in b.moments if where in a.moments]
     where = max(common, key=lambda w: line(a.moments[w].bytes, b.moments[w].bytes))
-    peak = depth.extrapolated_peak(a.moments[where], b.moments[where], k, depth.fragmentation(a.peak, b.peak))
-    plan = Plan(b.cfg, b.target, b.world_size, b.seq_len, round(line(a.params, b.params)), peak, b.card)
+    fragmentation = depth.fragmentation(a.peak, b.peak)
+    moments = {w: depth.extrapolated_peak(a.moments[w], b.moments[w], k, fragmentation) for w in common}
+    plan = Plan(b.cfg, b.target, b.world_size, b.seq_len, round(line(a.params, b.params)), moments[where], b.card)
+    plan.moments = moments
     plan.seconds, plan.trace = a.seconds + b.seconds, b.trace
     plan.kernels, plan.extrapolation = b.kernels, muon_at_depth(a.kernels, b.kernels, k)
     return plan

@@ -17,8 +17,10 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from fastpt.config import TrainConfig
 from fastpt.plan import report
 from fastpt.plan.gpus import GIB, GPUS, MIB, speed_of
+from fastpt.plan.memory import Peak
 from fastpt.plan.planner import Plan, fit_margin, gib, planned_model, trace
 from fastpt.plan.progress import progress
 from fastpt.plan.timing import COMM_EFF, StepTime
@@ -27,6 +29,9 @@ AC_MODES = ("none", "selective", "full")
 SHARDED_GPUS = (2, 4, 8)  # FSDP over one host's GPUs
 STATE = ("parameters", "gradients", "optimizer state")
 BUDGET = 2.0  # the search takes at most this many times the plan's own time
+# The room an estimate must leave before its option is traced: from a plan at another micro-batch, or
+# one of other checkpointing or GPUs (a trace costs as much as the plan, and the budget holds two)
+DOUBT = (0.03, 0.10)
 
 
 @dataclass(frozen=True)
@@ -72,11 +77,17 @@ def kept(ac: str, layers: int) -> float:
     return {"none": 1.0, "selective": 0.5, "full": 1 / layers + 0.1}[ac]
 
 
+def alike(a: Option, b: Option) -> bool:
+    """Two options a line through micro-batches joins: the same checkpointing and GPUs, and both
+    accumulating or neither (a first micro-step's gradients are there in the second's forward)."""
+    return (a.ac, a.world_size, a.grad_accum > 1) == (b.ac, b.world_size, b.grad_accum > 1)
+
+
 class Estimate:
     """A combination's need and GPU-seconds per token, from the traced plans nearest it."""
 
     def __init__(self, plan: Plan, layers: int):
-        self.layers = layers
+        self.layers, self.world_size = layers, plan.world_size
         self.traced: list[tuple[Option, Plan]] = [(Option(*option_of(plan)), plan)]
         self.steps: dict[int, StepTime | None] = {}  # each plan's step time, priced once
 
@@ -98,29 +109,58 @@ class Estimate:
     def need(self, option: Option) -> float:
         """Bytes on each card (what the card must hold) at the option: on the line through two plans
         of its checkpointing and GPUs at other micro-batches, else from the nearest plan (scaled)."""
-        # a line only between plans that accumulate alike: the gradients of a first micro-step are there
-        # in the second's forward, and no single micro-step has any
-        like = lambda o: (o.ac, o.world_size, o.grad_accum > 1) == (option.ac, option.world_size, option.grad_accum > 1)
-        same = {o.micro_batch: p for o, p in self.traced if like(o)}
+        same = {o.micro_batch: p for o, p in self.traced if alike(o, option)}
         if len(same) >= 2:
             m1, m2 = sorted(same, key=lambda m: abs(m - option.micro_batch))[:2]
             b1, b2 = same[m1].card_bytes, same[m2].card_bytes
             return b1 + (b2 - b1) * (option.micro_batch - m1) / (m2 - m1)
         o, p = self.probe(option)
-        parts = p.peak.parts
-        growing = parts.get("activations", 0) * kept(option.ac, self.layers) / kept(o.ac, self.layers)
-        # the transient, and the caching allocator's reserve beyond the peak (its blocks are as large as
-        # the requests, which grow with the micro-batch)
-        spare = max(0, p.peak.reserved - p.peak.bytes)
-        growing += parts.get("transient", 0) + spare
+        ratio = option.micro_batch / o.micro_batch
+        # the caching allocator's reserve beyond the peak grows with the micro-batch (its blocks are as
+        # large as the requests); the CUDA context does not
+        spare = max(0, p.peak.reserved - p.peak.bytes) if p.peak.reserved else 0
+        context = p.card_bytes - (p.peak.reserved or p.peak.bytes)
+        moments = list(p.moments.values()) or [p.peak]  # where the step peaks may move (the optimizer's)
+        return max(self.allocated(peak, (o, p), option) for peak in moments) + spare * ratio + context
+
+    def doubt(self, option: Option) -> float:
+        """How far the estimate may fall short, as a share of the card: none on a line through two
+        plans like it, a little from a plan of its checkpointing and GPUs at another micro-batch,
+        more across checkpointing or GPUs (what each keeps is itself estimated)."""
+        o, _ = self.probe(option)
+        like = [
+            x
+            for x, _ in self.traced
+            if (x.ac, x.world_size, x.grad_accum > 1) == (o.ac, o.world_size, o.grad_accum > 1)
+        ]
+        if (o.ac, o.world_size) == (option.ac, option.world_size):
+            return 0.0 if len({x.micro_batch for x in like}) >= 2 else DOUBT[0]
+        return DOUBT[1]
+
+    def allocated(self, peak: Peak, probe: tuple[Option, Plan], option: Option) -> float:
+        """One moment's allocation, traced at o, at the option: its activations by what checkpointing
+        keeps and, with the transient, by the micro-batch (but autocast's low-precision copies of the
+        weights, which FSDP's bf16 parameters make needless); its state sharded over the option's GPUs."""
+        (o, p), parts = probe, peak.parts
+        copies = p.params * 2 if p.cfg.dtype in ("bf16", "fp16") else 0
+        acts = parts.get("activations", 0)
+        traced_copies = 0 if self.sharded(p.cfg, o) else min(acts, copies)
+        per_sequence = (acts - traced_copies) / o.micro_batch
+        acts_then = (0 if self.sharded(p.cfg, option) else min(acts, copies)) + per_sequence * option.micro_batch
+        growing = parts.get("transient", 0) * option.micro_batch / o.micro_batch
+        growing += acts_then * kept(option.ac, self.layers) / kept(o.ac, self.layers)
         state = sum(parts.get(k, 0) for k in STATE)
         if o.grad_accum == 1 and option.grad_accum > 1 and not parts.get("gradients"):
             state += parts.get("parameters", 0)  # the gradients, as large as the (fp32) parameters
-        fixed = p.card_bytes - parts.get("activations", 0) - parts.get("transient", 0) - spare - state
+        fixed = peak.bytes - acts - parts.get("transient", 0) - state
         sharded = state * o.world_size / option.world_size if option.world_size > 1 else state
         if option.world_size > o.world_size and o.world_size == 1 and option.grad_accum > 1:
             sharded += parts.get("parameters", 0)  # FSDP keeps the unsharded fp32 gradients across micro-steps
-        return fixed + sharded + growing * option.micro_batch / o.micro_batch
+        return fixed + sharded + growing
+
+    def sharded(self, cfg: TrainConfig, option: Option) -> bool:
+        """Whether the option runs FSDP: over more GPUs than the run's, or the run's own FSDP."""
+        return option.world_size > 1 and (option.world_size != self.world_size or cfg.parallel == "fsdp")
 
     def gpu_seconds_per_token(self, option: Option) -> float:
         """The nearest plan's GPU-seconds per token, with the option's recompute and, for FSDP over
@@ -176,7 +216,9 @@ def search(plan: Plan) -> Found:
     rank = lambda o: (estimate.gpu_seconds_per_token(o), o.world_size, -o.micro_batch)
     start, budget, tried, best = time.perf_counter(), BUDGET * plan.seconds, set(), None
     while True:
-        fitting = [o for o in every if o not in tried and estimate.need(o) <= limit]
+        fitting = [
+            o for o in every if o not in tried and estimate.need(o) <= limit - estimate.doubt(o) * plan.card.usable
+        ]
         better = [o for o in fitting if best is None or rank(o) < rank(best[0])]
         if not better:
             break
