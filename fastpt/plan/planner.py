@@ -182,7 +182,7 @@ def fake_run(
     mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, fsdp_labels(world_size))
     for nbytes in cublas_workspaces(gpu) if cuda else ():  # through torch's allocator, kept for the process
         mem.lives.append(Life(nbytes, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
-    gc.collect()
+    gc.collect(1)  # the young garbage (a full collection takes a second; older garbage touches no trace)
     gc.disable()
     try:
         with (

@@ -8,7 +8,8 @@ the parameters, gradients and optimizer state by N; checkpointing keeps a known 
 activations), and its GPU-hours from their step times (checkpointing recomputes the forward, or
 half of it). The cheapest combination estimated to fit is traced (planner.trace: never a
 configuration traced before); if it fits, it is the answer, priced; if not, its trace corrects the
-estimate and the next is tried, until the search has taken twice the plan's own time.
+estimate and the next is tried; after the first, no trace is started that would end past twice the
+plan's own time.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ AC_MODES = ("none", "selective", "full")
 SHARDED_GPUS = (2, 4, 8)  # FSDP over one host's GPUs
 STATE = ("parameters", "gradients", "optimizer state")
 BUDGET = 2.0  # the search takes at most this many times the plan's own time
-# The room an estimate must leave before its option is traced: from a plan at another micro-batch, or
-# one of other checkpointing or GPUs (a trace costs as much as the plan, and the budget holds two)
-DOUBT = (0.03, 0.10)
+# The room an estimate must leave (a share of what it allocates) before its option is traced: from a
+# plan at another micro-batch, or one of other checkpointing or GPUs (a trace costs as much as the
+# plan, and the budget holds two)
+DOUBT = (0.0, 0.10)
 
 
 @dataclass(frozen=True)
@@ -124,18 +126,20 @@ class Estimate:
         return max(self.allocated(peak, (o, p), option) for peak in moments) + spare * ratio + context
 
     def doubt(self, option: Option) -> float:
-        """How far the estimate may fall short, as a share of the card: none on a line through two
-        plans like it, a little from a plan of its checkpointing and GPUs at another micro-batch,
-        more across checkpointing or GPUs (what each keeps is itself estimated)."""
+        """How far the estimate may fall short, as a share of what it allocates: none on a line
+        through two plans like it, a little from a plan of its checkpointing and GPUs at another
+        micro-batch, more across checkpointing or GPUs (what each keeps is itself estimated)."""
+        if len({x.micro_batch for x, _ in self.traced if alike(x, option)}) >= 2:
+            return 0.0
         o, _ = self.probe(option)
-        like = [
-            x
-            for x, _ in self.traced
-            if (x.ac, x.world_size, x.grad_accum > 1) == (o.ac, o.world_size, o.grad_accum > 1)
-        ]
-        if (o.ac, o.world_size) == (option.ac, option.world_size):
-            return 0.0 if len({x.micro_batch for x in like}) >= 2 else DOUBT[0]
-        return DOUBT[1]
+        return DOUBT[0] if (o.ac, o.world_size) == (option.ac, option.world_size) else DOUBT[1]
+
+    def cautious_need(self, option: Option) -> float:
+        """The need with its doubt added (the CUDA context, a constant, is not in doubt)."""
+        run = self.traced[0][1]
+        context = run.card_bytes - (run.peak.reserved or run.peak.bytes)
+        need = self.need(option)
+        return need + self.doubt(option) * (need - context)
 
     def allocated(self, peak: Peak, probe: tuple[Option, Plan], option: Option) -> float:
         """One moment's allocation, traced at o, at the option: its activations by what checkpointing
@@ -216,15 +220,14 @@ def search(plan: Plan) -> Found:
     rank = lambda o: (estimate.gpu_seconds_per_token(o), o.world_size, -o.micro_batch)
     start, budget, tried, best = time.perf_counter(), BUDGET * plan.seconds, set(), None
     while True:
-        fitting = [
-            o for o in every if o not in tried and estimate.need(o) <= limit - estimate.doubt(o) * plan.card.usable
-        ]
+        fitting = [o for o in every if o not in tried and estimate.cautious_need(o) <= limit]
         better = [o for o in fitting if best is None or rank(o) < rank(best[0])]
         if not better:
             break
         option = min(better, key=rank)
-        # a trace costs about the plan's (FSDP's twice): none is started that would end past the budget
-        if time.perf_counter() - start + plan.seconds * (1 + (option.world_size > 1)) > budget:
+        # a trace costs about the plan's (FSDP's twice): after the first, none is started that would end
+        # past the budget
+        if tried and time.perf_counter() - start + plan.seconds * (1 + (option.world_size > 1)) > budget:
             break
         progress.task(f"what would fit: {option.flags(plan)}")
         cfg, world_size = configured(plan, option)
