@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -322,6 +324,25 @@ def test_replay_frees_merge_neighbours():
     lives.append(Life(8 * MIB, 5, "c", (), "forward", died=ALIVE))
     out = replay(lives)
     assert out.peak_reserved == 20 * MIB and out.peak_allocated == 8 * MIB
+
+
+# ---- how long a plan takes
+
+
+def test_an_eager_plan_imports_no_inductor():
+    """An eager step never calls into torch.compile: marking a CUDA-graph step (only compiled runs
+    with CUDA graphs have any) imported Inductor's compiler, some 3 s of a plan's CPU time."""
+    code = (
+        "import sys\n"
+        "from fastpt.cli import parse_args\n"
+        "from fastpt.plan import planner\n"
+        f"cfg, target = planner.planned_config(*parse_args({list(SMALL)!r}))\n"
+        "planner.trace(cfg, target, 1)\n"
+        "print([m for m in ('torch._inductor.compile_fx', 'torch._inductor.cudagraph_trees') if m in sys.modules])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 # ---- the command line
