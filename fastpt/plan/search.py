@@ -30,10 +30,10 @@ AC_MODES = ("none", "selective", "full")
 SHARDED_GPUS = (2, 4, 8)  # FSDP over one host's GPUs
 STATE = ("parameters", "gradients", "optimizer state")
 BUDGET = 2.0  # the search takes at most this many times the plan's own time
-# The room an estimate must leave (a share of what it allocates) before its option is traced: from a
-# plan at another micro-batch, or one of other checkpointing or GPUs (a trace costs as much as the
-# plan, and the budget holds two)
-DOUBT = (0.0, 0.10)
+# The room an estimate across checkpointing or GPUs must leave (a share of what it allocates) before
+# its option is traced (what each keeps is itself estimated; a trace costs as much as the plan, and the
+# budget holds two). Along the micro-batch the line holds within a percent or two: none.
+DOUBT = 0.10
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,10 @@ class Estimate:
         return max(self.allocated(peak, (o, p), option) for peak in moments) + spare * ratio + context
 
     def doubt(self, option: Option) -> float:
-        """How far the estimate may fall short, as a share of what it allocates: none on a line
-        through two plans like it, a little from a plan of its checkpointing and GPUs at another
-        micro-batch, more across checkpointing or GPUs (what each keeps is itself estimated)."""
-        if len({x.micro_batch for x, _ in self.traced if alike(x, option)}) >= 2:
-            return 0.0
+        """How far the estimate may fall short, as a share of what it allocates: DOUBT from a plan of
+        other checkpointing or GPUs, none along the micro-batch."""
         o, _ = self.probe(option)
-        return DOUBT[0] if (o.ac, o.world_size) == (option.ac, option.world_size) else DOUBT[1]
+        return 0.0 if (o.ac, o.world_size) == (option.ac, option.world_size) else DOUBT
 
     def cautious_need(self, option: Option) -> float:
         """The need with its doubt added (the CUDA context, a constant, is not in doubt)."""
