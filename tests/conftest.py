@@ -52,6 +52,15 @@ def table_entries(table: Path) -> list:
     ]
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test plans afresh: the planner keeps a process's recent traces (a search never traces a
+    configuration twice), which a test that patches the planner must not be handed."""
+    yield
+    if planner := sys.modules.get("fastpt.plan.planner"):
+        planner.TRACED.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """Byte-level shards over the project's own sources: real text, made locally, in seconds."""

@@ -5,7 +5,6 @@ derived margin free, grad_accum the rest) and the --plan command, over planner's
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -14,9 +13,10 @@ from pathlib import Path
 from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_output
-from fastpt.plan.gpus import GIB, GPUS, MIB, Card, card, machine_card
+from fastpt.plan.gpus import Card, card, machine_card
 from fastpt.plan.planner import Plan, describe, fit_margin, gib, planned_config, to_json, trace, unmodelled
 from fastpt.plan.progress import progress
+from fastpt.plan.search import next_steps
 
 # --micro-batch auto leaves a fraction of the card free: the plan's error band and the CUDA
 # context's spread (planner.fit_margin), 5% eager, 12% compiled.
@@ -107,66 +107,6 @@ def other_gradient_sync(plan: Plan) -> list[str]:
     other = trace(dataclasses.replace(plan.cfg, fsdp_reshard_grads=not now), plan.target, plan.world_size)
     how = "reduce-scattering at every micro-step (--fsdp-reshard-grads)" if not now else "only at the last micro-step"
     return [f"{how}: peak {gib(other.peak.bytes)}, the card needs {gib(other.card_bytes)}"]
-
-
-# ---- what would fit instead
-
-SHARDED_GPUS = (2, 4, 8)  # FSDP over one host's GPUs, what "does NOT fit" tries
-
-
-def next_steps(plan: Plan) -> list[str]:
-    """For a plan that does not fit its card: the next step that does, each change planned in turn
-    from the least disruptive until one fits with fit_margin free (the same sequences per step in
-    smaller micro-batches; activation checkpointing; FSDP over more GPUs of this card), and on CUDA
-    the smallest named card that holds the plan as it is. [] when the plan fits."""
-    if plan.fits() is not False:
-        return []
-    cfg, cuda, margin = plan.cfg, plan.target == "cuda", fit_margin(plan.cfg.compile)
-    tries = [functools.partial(smaller_micro_batch, plan)]
-    if cfg.activation_checkpointing != "full":
-        tries.append(
-            functools.partial(changed, plan, "--activation-checkpointing full", activation_checkpointing="full")
-        )
-    sharded = [n for n in SHARDED_GPUS if cuda and n > plan.world_size]
-    tries += [functools.partial(changed, plan, f"--parallel fsdp over {n} GPUs", n, parallel="fsdp") for n in sharded]
-    tried = "smaller micro-batches, activation checkpointing" + (
-        f", FSDP over up to {sharded[-1]} GPUs" if sharded else ""
-    )
-    line = next((line for attempt in tries if (line := attempt())), None)  # the first change that fits
-    lines = [line or f"  next: none of {tried} fits {plan.card} with {margin:.0%} free"]
-    if cuda:
-        need = plan.card_bytes / (1 - margin)
-        bigger = sorted((mib, name) for name, mib in GPUS.values() if mib * MIB >= need and mib * MIB > plan.card.total)
-        which = f"the {bigger[0][1]}, {bigger[0][0] * MIB / GIB:.1f} GiB" if bigger else "none that fastpt knows"
-        lines.append(f"  or a card with {gib(need)} (the plan and {margin:.0%} free): {which}")
-    return lines
-
-
-def smaller_micro_batch(plan: Plan) -> str | None:
-    """The same sequences per step in the largest micro-batch that fits (--micro-batch auto's choice), if any."""
-    if plan.cfg.micro_batch == 1:
-        return None
-    progress.task("what would fit: smaller micro-batches, the same sequences per step")
-    try:
-        best, _ = fit_micro_batch(plan.cfg, plan.target, plan.world_size, plan.card)
-    except ConfigError:  # not even micro-batch 1
-        return None
-    micro, accum = best.cfg.micro_batch, best.cfg.grad_accum
-    return (
-        f"  next: --micro-batch {micro} --grad-accum {accum} fits ({micro * accum} sequences per step; "
-        f"{gib(best.card_bytes)} planned; --micro-batch auto finds it)"
-    )
-
-
-def changed(plan: Plan, flags: str, world_size: int = 0, **change) -> str | None:
-    """`flags` (the config `change`d, on world_size GPUs) if its plan fits with fit_margin free."""
-    progress.task(f"what would fit: {flags}")
-    world_size = world_size or plan.world_size
-    other = trace(dataclasses.replace(plan.cfg, **change), plan.target, world_size)
-    other.card = plan.card
-    if not other.fits(fit_margin(plan.cfg.compile)):
-        return None
-    return f"  next: {flags} fits ({gib(other.card_bytes)} planned{' per GPU' if world_size > 1 else ''})"
 
 
 def exact_micro_batch(largest: int, sequences: int) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 MATMULS = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}  # op -> index of its first factor
 ATTENTION = {
@@ -74,11 +73,19 @@ def size(t: torch.Tensor) -> int:
 
 
 def tensors(tree: object) -> list[torch.Tensor]:
-    seen, out = set(), []
-    for t in tree_leaves(tree):
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
+    """The tensors in an op's arguments or outputs, each once: aten's are nested only in tuples,
+    lists and dicts, which this walks directly (pytree's generic walk is a fifth of a plan's time)."""
+    seen, out, stack = set(), [], [tree]
+    while stack:
+        t = stack.pop()
+        if isinstance(t, torch.Tensor):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+        elif isinstance(t, (tuple, list)):
+            stack.extend(reversed(t))
+        elif isinstance(t, dict):
+            stack.extend(reversed(list(t.values())))
     return out
 
 

@@ -28,6 +28,9 @@ GPUS = {
     "a10g": ("A10G", 23028),
     "3090": ("RTX 3090", 24576),
     "a6000": ("RTX A6000", 49140),
+    # Meta's Grand Teton hosts (torchtitan's benchmarks): 96 GB of HBM2e; MiB as on the 80 GB card,
+    # whose nvidia-smi reports 81,559 of its 81,920
+    "h100-96": ("H100 96GB HBM2e", 97870),
 }
 # A bound on --plan-gpu NGiB (sixteen times today's largest cards' memory): past it a size is a
 # mistake, and too large a number would overflow the byte count.
@@ -183,6 +186,9 @@ SPEEDS = {
     "a10g": Speed(125, 62.5, 31.2, 600, 72, 32, "PCIe 4.0 x16", 0.75, 0.85),
     "3090": Speed(71, 35.6, 35.6, 936, 82, 32, "PCIe 4.0 x16", 0.75, 0.85),
     "a6000": Speed(154.8, 77.4, 38.7, 768, 84, 32, "PCIe 4.0 x16", 0.75, 0.85),
+    # torchtitan's benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md: 2.4 TB/s, at a 500 W power
+    # limit (not modelled: the H100 SXM's compute, which at 700 W it may not sustain at 500 W)
+    "h100-96": Speed(989.4, 494.7, 66.9, 2400, 132, 450, "NVLink 4", 0.708, 0.85),
 }
 
 
@@ -193,7 +199,8 @@ def speed_of(gpu: Card) -> Speed | None:
         if gpu.name == name:
             return SPEEDS[key]
     cuda_name = gpu.name.upper()
-    names = (("h200", "H200"), ("h100-pcie", "H100 PCIE"), ("h100-80", "H100"), ("l40s", "L40S"), ("l4", " L4"))
+    names = (("h200", "H200"), ("h100-pcie", "H100 PCIE"), ("h100-96", "H100 96GB"), ("h100-80", "H100"))
+    names += (("l40s", "L40S"), ("l4", " L4"))
     names += (("a10g", "A10G"), ("3090", "3090"), ("a6000", "A6000"), ("4090", "4090"))
     for key, model in names:
         if model in cuda_name:

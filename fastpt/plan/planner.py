@@ -182,7 +182,7 @@ def fake_run(
     mem = MemoryTrace(cuda_rounded if cuda else int, scratch_table() if cuda else {}, fsdp_labels(world_size))
     for nbytes in cublas_workspaces(gpu) if cuda else ():  # through torch's allocator, kept for the process
         mem.lives.append(Life(nbytes, 0, "cuBLAS workspace", (), "before", kind="cuBLAS workspace"))
-    gc.collect()
+    gc.collect(1)  # the young garbage (a full collection takes a second; older garbage touches no trace)
     gc.disable()
     try:
         with (
@@ -218,10 +218,45 @@ def trace_steps(
             )
 
 
+TRACED: dict[str, Plan] = {}  # this process's recent traces, by what they trace (traced_key)
+TRACES_KEPT = 16
+
+
+def traced_key(cfg: TrainConfig, target: str, world_size: int) -> str:
+    """What a trace depends on: the config a step runs (step_config: at most two micro-steps), less
+    what only prices or reports the run; the target and the ranks."""
+    same = dataclasses.replace(step_config(cfg), max_steps=1, plan_price=0.0, plan_json="", plan_world_size=1)
+    return f"{target} x {world_size}: {same!r}"
+
+
 def trace(cfg: TrainConfig, target: str, world_size: int) -> Plan:
     """The run's plan: its model traced whole (trace_model), or for a deep one (traced_layers) the
     same model with fewer blocks traced twice and the plan extrapolated to its depth (extrapolated;
-    tests/test_plan.py holds it to the whole trace)."""
+    tests/test_plan.py holds it to the whole trace). A configuration this process traced already is
+    not traced again: its plan is the earlier one's, for this run (for_run)."""
+    key = traced_key(cfg, target, world_size)
+    if key not in TRACED:
+        while len(TRACED) >= TRACES_KEPT:
+            del TRACED[next(iter(TRACED))]
+        TRACED[key] = traced(cfg, target, world_size)
+    return for_run(TRACED[key], cfg)
+
+
+def for_run(plan: Plan, cfg: TrainConfig) -> Plan:
+    """A traced plan for a run whose config differs from the traced one's only in what the trace does
+    not depend on (traced_key): the run's step (grad_accum micro-steps, its tokens), no card yet."""
+    run = lambda log: log and dataclasses.replace(log, grad_accum=cfg.grad_accum, tokens=tokens_per_step(cfg, plan))
+    shallow = plan.extrapolation
+    extrapolation = shallow and (run(shallow[0]), run(shallow[1]), shallow[2])
+    return dataclasses.replace(plan, cfg=cfg, card=None, kernels=run(plan.kernels), extrapolation=extrapolation)
+
+
+def tokens_per_step(cfg: TrainConfig, plan: Plan) -> int:
+    return cfg.micro_batch * plan.seq_len * cfg.grad_accum * plan.world_size
+
+
+def traced(cfg: TrainConfig, target: str, world_size: int) -> Plan:
+    """trace's plan, traced."""
     mcfg = planned_model(cfg)
     pair = depth.traced_layers(cfg, mcfg)
     batch = f"{cfg.micro_batch} x {cfg.seq_len or mcfg.max_seq_len} x {cfg.grad_accum} accum"
@@ -276,11 +311,26 @@ def extrapolated(a: Plan, b: Plan, k: float) -> Plan:
     line = lambda x, y: x + (y - x) * k
     common = [where for where in b.moments if where in a.moments]
     where = max(common, key=lambda w: line(a.moments[w].bytes, b.moments[w].bytes))
-    peak = depth.extrapolated_peak(a.moments[where], b.moments[where], k, depth.fragmentation(a.peak, b.peak))
-    plan = Plan(b.cfg, b.target, b.world_size, b.seq_len, round(line(a.params, b.params)), peak, b.card)
+    fragmentation = depth.fragmentation(a.peak, b.peak)
+    moments = {w: depth.extrapolated_peak(a.moments[w], b.moments[w], k, fragmentation) for w in common}
+    plan = Plan(b.cfg, b.target, b.world_size, b.seq_len, round(line(a.params, b.params)), moments[where], b.card)
+    plan.moments = moments
     plan.seconds, plan.trace = a.seconds + b.seconds, b.trace
-    plan.kernels, plan.extrapolation = b.kernels, (a.kernels, b.kernels, k)
+    plan.kernels, plan.extrapolation = b.kernels, muon_at_depth(a.kernels, b.kernels, k)
     return plan
+
+
+def muon_at_depth(a: timing.KernelLog, b: timing.KernelLog, k: float) -> tuple:
+    """The two shallow logs of a deep DDP plan with Muon, each to be priced with the rank's share of
+    the deep model's matrices (each shape's count on its line through a's and b's): the share is a
+    ceiling, which no line through two depths gives (24 blocks over 8 ranks take 3 matrices a shape;
+    3 and 4 blocks take 1 each). (a, b, k) as they were otherwise."""
+    if not a.muon_groups:
+        return a, b, k
+    pairs = [(na, nb) for (na, _), (nb, _) in zip(a.muon_groups, b.muon_groups, strict=True)]
+    deep = [round(na + (nb - na) * k) for na, nb in pairs]
+    at_a, at_b = ({pair[i]: n for pair, n in zip(pairs, deep)} for i in (0, 1))
+    return dataclasses.replace(a, muon_depth=at_a), dataclasses.replace(b, muon_depth=at_b), k
 
 
 def muon_groups(optimizers: list, dtype: torch.dtype) -> list[tuple[int, int]]:
@@ -305,7 +355,7 @@ def kernel_log(
     """The last traced step's launches, and what the run's step repeats of them."""
     step = max(op.step for op in timed.ops)
     last = [op for op in timed.ops if op.step == step]
-    tokens = plan.cfg.micro_batch * plan.seq_len * plan.cfg.grad_accum * plan.world_size
+    tokens = tokens_per_step(plan.cfg, plan)
     micro_steps = step_config(plan.cfg).grad_accum
     return timing.KernelLog(
         last, micro_steps, plan.cfg.grad_accum, plan.world_size, tokens, flops_per_token, ddp_buckets, matrices
@@ -420,7 +470,7 @@ def describe(plan: Plan, advice: list[str] | None = None) -> list[str]:
     if cuda and plan.card is not None:
         step = plan.step_time()
         lines += (
-            report.describe(step, plan.card.name, speed_of(plan.card), cfg)
+            report.describe(step, plan.card.name, speed_of(plan.card), cfg, plan.fits() is not False)
             if step
             else [f"step time: {plan.card} has no known speed; give one of the named --plan-gpu cards to plan it"]
         )
@@ -462,5 +512,5 @@ def to_json(plan: Plan) -> dict:
         if plan.card.free is not None:
             out.update(gpu_free_gib=plan.card.free / GIB)
     if step := plan.step_time():
-        out.update(report.to_json(step, plan.cfg, speed_of(plan.card)))
+        out.update(report.to_json(step, plan.cfg, speed_of(plan.card), plan.fits() is not False))
     return out

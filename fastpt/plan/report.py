@@ -11,8 +11,8 @@ from fastpt.plan.gpus import GPUS, SPEEDS, Speed
 from fastpt.plan.timing import StepTime
 from fastpt.step import micro_batches
 
-# planned / reported step time over the published runs fastpt can express (plan.published, which a
-# slow test re-plans): median and worst error.
+# planned / reported step time over the held-out published configurations fastpt can express
+# (plan.published, which a slow test re-plans): median and worst error, how many, on which cards.
 ERROR_BAND = published.ERROR_BAND
 
 
@@ -106,16 +106,16 @@ def run_line(step: StepTime, speed: Speed, cfg: TrainConfig) -> str:
 
 def measured_on(speed: Speed) -> bool:
     """Whether a published run of the error band (plan.published) ran on this card."""
-    return any(speed is SPEEDS[key] for key in published.CARDS)
+    return any(speed is SPEEDS[key] for key in ERROR_BAND.cards)
 
 
 def error_band(speed: Speed) -> str:
     """The plan's error against the published runs, and whether any of them ran on this card."""
-    median, worst = ERROR_BAND
-    cards = ", ".join(GPUS[key][0] for key in published.CARDS)
+    band = ERROR_BAND
+    cards = ", ".join(GPUS[key][0] for key in band.cards)
     line = (
-        f"the plan's error against {len(published.RUNS)} published runs on {cards}: "
-        f"median {median:.0%}, worst {worst:.0%} (docs/performance.md)"
+        f"the plan's error against {band.configurations} independent published runs on {cards}, none of them "
+        f"used to set its constants: median {band.median:.0%}, worst {band.worst:.0%} (docs/performance.md)"
     )
     if not measured_on(speed):
         name = next(GPUS[key][0] for key, s in SPEEDS.items() if s is speed)
@@ -123,8 +123,9 @@ def error_band(speed: Speed) -> str:
     return line
 
 
-def describe(step: StepTime, card_name: str, speed: Speed, cfg: TrainConfig) -> list[str]:
-    """The step's lines of --plan (module docstring), its 8 most expensive kernels last."""
+def describe(step: StepTime, card_name: str, speed: Speed, cfg: TrainConfig, fits: bool = True) -> list[str]:
+    """The step's lines of --plan (module docstring), its 8 most expensive kernels last; a run that
+    does not fit its card is not priced."""
     p = {k: figure(v * 1e3) for k, v in step.parts.items()}
     per_gpu = f" ({count(step.tok_s_per_gpu)} per GPU)" if step.world_size > 1 else ""
     lines = [
@@ -132,7 +133,7 @@ def describe(step: StepTime, card_name: str, speed: Speed, cfg: TrainConfig) -> 
         f"optimizer {p['optimizer']}, communication {p['communication']} exposed, overhead {p['overhead']}; "
         f"{step.bound}-bound) -> {count(step.tok_s)} tok/s{per_gpu}, MFU {figure(step.mfu, 2)} "
         f"(HFU {figure(step.hfu, 2)})",
-        run_line(step, speed, cfg),
+        run_line(step, speed, cfg) if fits else f"  not priced: the run does not fit {card_name}; {error_band(speed)}",
         f"  {step.launches:,} launches ({'compiled' if cfg.compile else 'eager'}), "
         f"CPU side {figure(step.cpu_seconds * 1e3)} ms; the 8 most expensive kernels:",
     ]
@@ -144,8 +145,13 @@ def describe(step: StepTime, card_name: str, speed: Speed, cfg: TrainConfig) -> 
     return lines
 
 
-def to_json(step: StepTime, cfg: TrainConfig, speed: Speed) -> dict:
-    """The keys --plan-json adds, unrounded."""
+def to_json(step: StepTime, cfg: TrainConfig, speed: Speed, fits: bool = True) -> dict:
+    """The keys --plan-json adds, unrounded; the run's time and cost null where it does not fit."""
+    run = {
+        "run_s": run_seconds(step, cfg),
+        "gpu_hours": gpu_hours(step, cfg),
+        **({"cost_usd": gpu_hours(step, cfg) * cfg.plan_price} if cfg.plan_price else {}),
+    }
     return {
         "step_ms": step.seconds * 1e3,
         "tok_s": step.tok_s,
@@ -156,14 +162,12 @@ def to_json(step: StepTime, cfg: TrainConfig, speed: Speed) -> dict:
         "cpu_ms": step.cpu_seconds * 1e3,
         "time_parts": {k: v * 1e3 for k, v in step.parts.items()},
         "launches": step.launches,
-        "run_s": run_seconds(step, cfg),
-        "gpu_hours": gpu_hours(step, cfg),
-        **({"cost_usd": gpu_hours(step, cfg) * cfg.plan_price} if cfg.plan_price else {}),
+        **(run if fits else dict.fromkeys(run)),
         "error_band": {
-            "median": ERROR_BAND[0],
-            "worst": ERROR_BAND[1],
-            "runs": len(published.RUNS),
-            "cards": [GPUS[key][0] for key in published.CARDS],
+            "median": ERROR_BAND.median,
+            "worst": ERROR_BAND.worst,
+            "runs": ERROR_BAND.configurations,
+            "cards": [GPUS[key][0] for key in ERROR_BAND.cards],
             "measured_on_this_card": measured_on(speed),
         },
         "kernels": [

@@ -36,6 +36,7 @@ import itertools
 import math
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -215,6 +216,9 @@ class KernelLog:
     flops_per_token: float  # the model's (ModelConfig.flops_per_token: MFU's numerator), not the kernels'
     ddp_buckets: list[int] = field(default_factory=list)  # bytes, in the order the backward fills them
     muon_groups: list[tuple[int, int]] = field(default_factory=list)  # DDP: Muon's matrices (count, bytes each)
+    # A deep DDP plan's shallow traces: each shape's traced count of matrices -> its count at the model's
+    # depth, whose rank's share (a ceiling, no line through two depths) both traces are priced at.
+    muon_depth: dict[int, int] = field(default_factory=dict)
 
     def sequence(self) -> list[Op]:
         """The run's whole step: the first micro-step grad_accum - 1 times, the syncing one, then the
@@ -233,7 +237,8 @@ class KernelLog:
         all-gather per shape of N shares, which the parameters' update waits for (fastpt.muon)."""
         if self.world_size == 1 or not self.muon_groups:
             return ops
-        out = [mine(op, self.world_size) if op.label.startswith("Newton-Schulz") else op for op in ops]
+        at_depth = lambda n: self.muon_depth.get(n, n)
+        out = [mine(op, self.world_size, at_depth) if op.label.startswith("Newton-Schulz") else op for op in ops]
         last = max(i for i, op in enumerate(out) if op.label.startswith("Newton-Schulz"))
         done = out[last].writes  # the gathers start once Newton-Schulz is done (its last batch's output)
         gathers = [
@@ -246,7 +251,7 @@ class KernelLog:
                 done,
             )
             for n, nbytes in self.muon_groups
-            for ranks in [-(-n // self.world_size) * self.world_size]
+            for ranks in [-(-at_depth(n) // self.world_size) * self.world_size]
         ]
         barrier = Op("wait for Muon's all-gathers", "optimizer", 0, Cost("barrier"), 0.0)
         return out[: last + 1] + gathers + [barrier] + out[last + 1 :]
@@ -277,10 +282,11 @@ class KernelLog:
         return out
 
 
-def mine(op: Op, world_size: int) -> Op:
-    """A batched Newton-Schulz matmul of n matrices cut to one rank's ceil(n / world_size)."""
+def mine(op: Op, world_size: int, at_depth: Callable[[int], int] = lambda n: n) -> Op:
+    """A batched Newton-Schulz matmul of n matrices cut to one rank's ceil(n / world_size), n the
+    batch's count at the model's depth (at_depth: a shallow trace's batch holds fewer)."""
     ((m, n, k, batch),) = op.cost.matmuls
-    share = -(-batch // world_size)
+    share = -(-at_depth(batch) // world_size)
     cost = dataclasses.replace(
         op.cost, matmuls=[(m, n, k, share)], flops=op.cost.flops * share / batch, bytes=op.cost.bytes * share // batch
     )
