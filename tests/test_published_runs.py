@@ -112,3 +112,14 @@ def test_the_published_runs_plan_as_committed():
     committed = {run.name: run.planned_ms for run in published.RUNS}
     moved = [f"{n}: {committed[n]:,.1f} -> {ms:,.1f} ms" for n, ms in now.items() if abs(ms / committed[n] - 1) > 0.005]
     assert not moved, "; ".join(moved)
+
+
+def test_the_docs_table_is_the_data():
+    """docs/performance.md shows published.json as published.markdown writes it: the page cannot
+    drift from the band --plan prints."""
+    from conftest import REPO
+
+    page = (REPO / "docs" / "performance.md").read_text()
+    start = page.index("<!-- published runs: fastpt.plan.published.markdown -->\n")
+    end = page.index("<!-- end of published runs -->")
+    assert page[start:end].split("\n", 1)[1] == published.markdown(published.RUNS)

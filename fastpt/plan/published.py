@@ -75,3 +75,18 @@ def band(runs: list[Run]) -> Band:
 
 RUNS = load()
 ERROR_BAND = band(RUNS)
+
+
+def markdown(runs: list[Run]) -> str:
+    """The runs as docs/performance.md shows them: one row each, planned beside reported."""
+    lines = [
+        "| run | card x GPUs | reported step | planned step | planned / reported | source |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        held = "" if not run.fitted else " (fitted: not in the band)"
+        lines.append(
+            f"| {run.name}{held} | {run.card} x {run.gpus} | {run.reported_ms:,.1f} ms | {run.planned_ms:,.1f} ms "
+            f"| {run.planned_ms / run.reported_ms:.2f} | {run.source} |"
+        )
+    return "\n".join(lines) + "\n"
