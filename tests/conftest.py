@@ -6,9 +6,11 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,27 @@ def table_entries(table: Path) -> list:
         pytest.param(name, entry, marks=[pytest.mark.slow] if entry.get("slow") else [], id=name)
         for name, entry in entries.items()
     ]
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder `make` fills once for the whole test session: under pytest-xdist the first worker to
+    ask makes it (the others wait on a lock, then read it), so an expensive fixture (a torchrun launch)
+    is not paid once per worker. Its tests only read it, or copy it first."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    import fcntl
+
+    folder = tmp_path_factory.getbasetemp().parent / name  # the session's folder, above every worker's
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker's attempt that failed
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 the head and the norms, each at its own peak LR (nanochat's, scaled with width), Muon's momentum
 warming up and its weight decay on the schedule; used by the loop, the GradScaler and checkpoints as
 one optimizer; it trains, resumes bit for bit after SIGKILL, takes the config's settings after a
-resume, and follows one process under DDP (under FSDP too: tests/test_distributed.py). Newton-Schulz
+resume, and follows one process under DDP and FSDP (tests/test_distributed.py). Newton-Schulz
 batches same-shape matrices (fp32 on a CPU) and matches torch.optim.Muon's bf16 one."""
 
 from __future__ import annotations
@@ -311,17 +311,6 @@ def test_muon_under_fsdp_is_accepted(tmp_path):
 
     cfg = config.resolve({"optimizer": "muon", "parallel": "fsdp", "out": str(tmp_path)}, None, "cpu")
     assert (cfg.optimizer, cfg.parallel) == ("muon", "fsdp")
-
-
-@pytest.mark.slow
-def test_muon_with_document_attention_under_ddp_follows_one_process(tiny_data, tmp_path):
-    from test_distributed import assert_same_curve
-    from test_distributed import train as train_dist
-
-    recipe = ("--optimizer", "muon", "--attention", "document", "--schedule", "wsd")
-    assert_same_curve(
-        train_dist(tiny_data, tmp_path / "ddp", 2, *recipe), train_dist(tiny_data, tmp_path / "one", 0, *recipe)
-    )
 
 
 CHANGED = {  # per optimizer: flags a resume changes, and the group settings they must show after its steps
