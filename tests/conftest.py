@@ -6,9 +6,11 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,27 @@ def fresh_plans():
     yield
     if planner := sys.modules.get("fastpt.plan.planner"):
         planner.TRACED.clear()
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """A folder `make` fills once for the whole test session: under pytest-xdist the first worker to
+    ask makes it (the others wait on a lock, then read it), so an expensive fixture (a torchrun launch)
+    is not paid once per worker. Its tests only read it, or copy it first."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    import fcntl
+
+    folder = tmp_path_factory.getbasetemp().parent / name  # the session's folder, above every worker's
+    with open(folder.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker's attempt that failed
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -167,3 +190,86 @@ def train_refuses(capsys, argv: list[str], *named: str) -> None:
 
     code, _, err = run_main(train.main, argv, capsys)
     assert_one_line_error(code, err, *named)
+
+
+# ---- a run's folder: the uninterrupted reference run, its records, its files
+
+
+def train_here(capsys, *args: str) -> tuple[int, str, str]:
+    """python -m fastpt.train's work in this process: (exit code, stdout, stderr)."""
+    from fastpt import train
+
+    return run_main(train.main, list(args), capsys)
+
+
+def run_args(data: Path, out: Path, *extra: str) -> list[str]:
+    """10 steps of 2 micro-batches, every step logged, checkpoints at 4 and 8 (keep 2) and the end."""
+    flags = dict(max_steps=10, grad_accum=2, log_every=1, eval_every=5, ckpt_every=4, keep_checkpoints=2)
+    return tiny_args(data, out, *extra, **flags)
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(run_dir)]
+
+
+def ckpt_names(run_dir: Path) -> list[str]:
+    from fastpt import checkpoint
+
+    return [p.name for p in checkpoint.checkpoints(run_dir)]
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without the wall-clock fields: what a resumed run must reproduce exactly."""
+    timing = {"tok_s", "tok_s_per_gpu", "mfu", "peak_mem_gib", "data_wait_pct"}
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_data, tmp_path_factory) -> Path:
+    """The uninterrupted run every interrupted one must reproduce (tests copy it before they write to it)."""
+    from fastpt import train
+
+    out = tmp_path_factory.mktemp("reference")
+    code, _, err = run_quietly(train.main, run_args(tiny_data, out))
+    assert code == 0, err
+    return out
+
+
+def base_args(data: Path, out: Path) -> list[str]:
+    return [*TINY, "--data", str(data), "--out", str(out), "--max-steps", "10"]
+
+
+def mount_tmpfs(mount: Path, size: str):
+    """A real filesystem of `size` (tmpfs) at `mount`, where the machine lets the tests mount one."""
+    mount.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
+        pytest.skip("mounting a tmpfs is not permitted here (the RLIMIT_FSIZE tests cover failed writes)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def run_command_line(module: str, *args: str, fsize: int = 0) -> subprocess.CompletedProcess:
+    """python -m fastpt.MODULE as a real process; fsize > 0 sets RLIMIT_FSIZE (`ulimit -f`) in it."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.RLIM_INFINITY))
+
+    return subprocess.run(
+        [sys.executable, "-m", f"fastpt.{module}", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=limit if fsize else None,
+    )
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ import torch
 from fastpt import metrics, model
 from fastpt.kernels import functional, selftest
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IN_PROCESS = ("nan-at", "fill-disk-after-step")  # the faults that leave the process alive
 
 # `python -c SCRIPT FAULT AT ARGS...`: fastpt.train with the fault installed (tests/ on the path).
@@ -111,3 +113,9 @@ def script_args(fault: str, at: int | str, *args: str, nproc: int = 0) -> list[s
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--no-python"]
     here = os.path.dirname(os.path.abspath(__file__))
     return [sys.executable, *([*torchrun, sys.executable] if nproc else []), "-c", SCRIPT, here, fault, str(at), *args]
+
+
+def run_faulty(fault: str, at: int | str, *args: str) -> subprocess.CompletedProcess:
+    """fastpt.train with `fault` in a real process (a kill, a file-size limit): SCRIPT's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(script_args(fault, at, *args), capture_output=True, text=True, timeout=300, env=env, cwd=REPO)

@@ -1,7 +1,8 @@
 """--attention document: a token sees only earlier tokens of its own document. Isolation and
 one-document equality on both mask kinds (the dense SDPA mask the CPU trains with, the FlexAttention
 BlockMask CUDA trains with, run here forward-only: FlexAttention has no CPU backward), eager and
-compiled; the training loop's hooks; and the one-line refusal for data without a document token."""
+compiled; the training loop's hooks; and the one-line refusal for data without a document token.
+(Under FSDP, and with Muon under DDP: tests/test_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -197,16 +198,6 @@ def test_compiled_training_with_document_attention_follows_eager_without_recompi
     )
     assert [r["recompiles"] for r in records] == [0, 0]
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in eager], rel=1e-4)
-
-
-@pytest.mark.slow
-def test_document_attention_under_fsdp_follows_one_process(tiny_data, tmp_path):
-    from test_distributed import assert_same_curve
-    from test_distributed import train as train_dist
-
-    one = train_dist(tiny_data, tmp_path / "one", 0, "--attention", "document")
-    fsdp = train_dist(tiny_data, tmp_path / "fsdp", 2, "--attention", "document", "--parallel", "fsdp")
-    assert_same_curve(fsdp, one)
 
 
 def test_export_is_the_standard_llama_whatever_the_training_mask():

@@ -1,6 +1,11 @@
 """torchrun with real processes (gloo on CPU): DDP and FSDP follow a one-process run step for step,
 checkpoints move between world sizes and layouts, Muon splits its matrices over the ranks bit for bit,
-and a rank that dies is named and restarted from."""
+and a rank that dies is named and restarted from.
+
+Every two-process run that is compared with a one-process run trains in one torchrun launch
+(tests/torchrun_cases.py: one case per run, each checked by its own test); the one-process runs train
+in this process. The launches of their own: a rank killed, preempted or stopped (torchrun restarts
+the group), and Muon's optimizer alone."""
 
 from __future__ import annotations
 
@@ -14,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_train
-from fastpt import checkpoint
+from conftest import REPO, TINY, made_once, run_quietly
+from fastpt import checkpoint, train
+from torchrun_cases import launch
 
 pytestmark = pytest.mark.slow
 
@@ -40,14 +46,45 @@ COMMON = (
 )
 ONE_PROC = ("--micro-batch", "4", "--grad-accum", "2")
 TWO_PROCS = ("--micro-batch", "2", "--grad-accum", "2")
+FSDP = ("--parallel", "fsdp")
+MUON_RUN = ("--optimizer", "muon", "--muon-momentum-warmup", "2", "--schedule", "wsd")
+# Squared-ReLU MLP, soft-capped logits, U-net skips (a root parameter FSDP shards with the embedding)
+# and the batch warm-up (fewer no-sync micro-steps at first).
+OPTIONS = ("--mlp", "relu2", "--logit-softcap", "15", "--unet-skips", "--batch-warmup-steps", "2")
+MUON_DOCUMENTS = ("--optimizer", "muon", "--attention", "document", "--schedule", "wsd")
+# Every nanochat ingredient at once (fastpt.recipes): Polar Express, NorMuon (its running mean square
+# kept whole on every rank), cautious decay on its schedule, the momentum schedule, nanochat's AdamW
+# groups; value embeddings, layer scalars and the backout (root parameters FSDP shards with the
+# embedding), parameter-free norms.
+NANOCHAT = ("--recipe", "nanochat", "--muon-momentum-warmup", "2", "--muon-weight-decay", "0.5")
 
-
-def train(data: Path, out: Path, nproc: int, *extra: str) -> Path:
-    result = run_train(
-        *COMMON, "--data", str(data), "--out", str(out), *(TWO_PROCS if nproc else ONE_PROC), *extra, nproc=nproc
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return out
+ONE_PROCESS_RUNS = {  # name -> flags
+    "one": (),
+    "muon-one": MUON_RUN,
+    "options-one": OPTIONS,
+    "documents-one": ("--attention", "document"),
+    "muon-documents-one": MUON_DOCUMENTS,
+    "nanochat-one": NANOCHAT,
+}
+TWO_PROCESS_RUNS = {  # name -> flags, in launch order
+    "ddp": (),
+    "fsdp": FSDP,
+    "fsdp-reshard": (*FSDP, "--fsdp-reshard-grads"),
+    "one-resumed-sharded": (*FSDP, "--resume"),
+    "muon-ddp": MUON_RUN,
+    "muon-fsdp": (*MUON_RUN, *FSDP),
+    "muon-one-resumed-sharded": (*MUON_RUN, *FSDP, "--resume"),
+    "options-ddp": (*OPTIONS, "--parallel", "ddp"),
+    "options-fsdp": (*OPTIONS, *FSDP),
+    "copying-ddp": (),  # under torchrun_cases.PATCHES's "copying-ddp"
+    "documents-fsdp": ("--attention", "document", *FSDP),
+    "muon-documents-ddp": MUON_DOCUMENTS,
+    "compiled-fsdp-selective": (*FSDP, "--compile", "--activation-checkpointing", "selective"),
+    "compiled-ddp-full": ("--parallel", "ddp", "--compile", "--activation-checkpointing", "full"),
+    "nanochat-ddp": (*NANOCHAT, "--parallel", "ddp"),
+    "nanochat-fsdp": (*NANOCHAT, *FSDP),
+}
+RESUMED = {"one-resumed-sharded": "one", "muon-one-resumed-sharded": "muon-one"}  # from that run's step 3
 
 
 def curve(run_dir: Path) -> dict[tuple[int, str], float]:
@@ -76,59 +113,78 @@ def resume_from(run_dir: Path, checkpoint: str, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """The same 6 steps in one process, under DDP and under FSDP (2 processes each)."""
-    root = tmp_path_factory.mktemp("dist")
-    return {
-        "one": train(tiny_data, root / "one", 0),
-        "ddp": train(tiny_data, root / "ddp", 2),
-        "fsdp": train(tiny_data, root / "fsdp", 2, "--parallel", "fsdp"),
+def train_here(data: Path, out: Path, *extra: str) -> Path:
+    """A one-process run, in this process."""
+    code, _, err = run_quietly(train.main, [*COMMON, "--data", str(data), "--out", str(out), *ONE_PROC, *extra])
+    assert code == 0, err
+    return out
+
+
+def train_all(data: Path, root: Path) -> None:
+    """Every run of ONE_PROCESS_RUNS here, then every run of TWO_PROCESS_RUNS in one torchrun launch."""
+    for name, flags in ONE_PROCESS_RUNS.items():
+        train_here(data, root / name, *flags)
+    for name, source in RESUMED.items():
+        resume_from(root / source, "ckpt_00000003.pt", root / name)
+    cases = {
+        name: [*COMMON, "--data", str(data), "--out", str(root / name), *TWO_PROCS, *flags]
+        for name, flags in TWO_PROCESS_RUNS.items()
     }
+    results = launch(cases, root / "cases", patches={"copying-ddp": "copying-ddp"})
+    (root / "results.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_data, tmp_path_factory) -> Path:
+    """The folder of every run in ONE_PROCESS_RUNS and TWO_PROCESS_RUNS, one run folder each by name
+    (trained once for all of pytest-xdist's workers). A two-process run's comes through `ran`."""
+    return made_once(tmp_path_factory, "distributed-runs", lambda root: train_all(tiny_data, root))
+
+
+def ran(runs: Path, name: str) -> Path:
+    """The run folder of a two-process case that exited 0 (else its exit code and output)."""
+    result = json.loads((runs / "results.json").read_text())[name]
+    assert result["code"] == 0, f"{name}: exit {result['code']}\n{result['stdout'][-2000:]}\n{result['stderr']}"
+    return runs / name
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_two_processes_follow_one_process(runs, layout):
-    assert_same_curve(runs[layout], runs["one"])
+    assert_same_curve(ran(runs, layout), runs / "one")
 
 
-def test_fsdp_reducing_every_micro_step_follows_one_process(runs, tiny_data, tmp_path):
+def test_fsdp_reducing_every_micro_step_follows_one_process(runs):
     """--fsdp-reshard-grads: FSDP reduce-scatters at every micro-step (no unsharded gradients kept
     across them) and trains as the one-process run does."""
-    assert_same_curve(
-        train(tiny_data, tmp_path / "reshard", 2, "--parallel", "fsdp", "--fsdp-reshard-grads"), runs["one"]
-    )
+    assert_same_curve(ran(runs, "fsdp-reshard"), runs / "one")
 
 
 @pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full")])
-def test_compiled_with_activation_checkpointing_follows_one_process(runs, tiny_data, tmp_path, layout, checkpointing):
+def test_compiled_with_activation_checkpointing_follows_one_process(runs, layout, checkpointing):
     """FSDP compiles each block before sharding it, DDP the whole model before wrapping it; with
     activation checkpointing inside the blocks both still train as the eager one-process run."""
-    out = train(
-        tiny_data, tmp_path / layout, 2, "--parallel", layout, "--compile", "--activation-checkpointing", checkpointing
-    )
-    assert_same_curve(out, runs["one"])
+    out = ran(runs, f"compiled-{layout}-{checkpointing}")
+    assert_same_curve(out, runs / "one")
     assert {
         r["recompiles"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
     } == {0}
 
 
 def test_checkpoint_kinds(runs):
-    assert (runs["ddp"] / "ckpt_00000006.pt").is_file()  # one copy, from rank 0
-    assert (runs["fsdp"] / "ckpt_00000006").is_dir()  # DCP shards from every rank
-    assert (runs["fsdp"] / "latest").read_text() == "ckpt_00000006"
+    assert (ran(runs, "ddp") / "ckpt_00000006.pt").is_file()  # one copy, from rank 0
+    assert (ran(runs, "fsdp") / "ckpt_00000006").is_dir()  # DCP shards from every rank
+    assert (runs / "fsdp" / "latest").read_text() == "ckpt_00000006"
 
 
 @pytest.mark.parametrize("layout, checkpoint", [("ddp", "ckpt_00000003.pt"), ("fsdp", "ckpt_00000003")])
 def test_two_process_checkpoint_resumes_in_one_process(runs, tiny_data, tmp_path, layout, checkpoint):
-    out = train(tiny_data, resume_from(runs[layout], checkpoint, tmp_path / "resumed"), 0, "--resume")
-    assert_same_curve(out, runs["one"], from_step=3)
+    out = train_here(tiny_data, resume_from(ran(runs, layout), checkpoint, tmp_path / "resumed"), "--resume")
+    assert_same_curve(out, runs / "one", from_step=3)
 
 
-def test_one_process_checkpoint_resumes_sharded_in_two(runs, tiny_data, tmp_path):
-    out = resume_from(runs["one"], "ckpt_00000003.pt", tmp_path / "resumed")
-    train(tiny_data, out, 2, "--resume", "--parallel", "fsdp")
-    assert_same_curve(out, runs["one"], from_step=3)
+def test_one_process_checkpoint_resumes_sharded_in_two(runs):
+    """The launch resumed a fresh folder holding only the one-process run's checkpoint of step 3 (RESUMED)."""
+    assert_same_curve(ran(runs, "one-resumed-sharded"), runs / "one", from_step=3)
 
 
 # ---- Muon over ranks: whole matrices split between them, under DDP and FSDP2
@@ -137,76 +193,67 @@ MUON_STEPS = r"""
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 from fastpt.muon import Muon
-layout, out = sys.argv[1], sys.argv[2]
-if "RANK" in os.environ:
-    dist.init_process_group("gloo")
-if layout == "fsdp":
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-place = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if layout == "fsdp" else (lambda t: t)
-torch.manual_seed(0)  # three (48, 16): one rank orthogonalizes two of them, the other one; 33 rows shard unevenly
-shapes = [(48, 16), (16, 48), (48, 16), (33, 20), (48, 16)]
-params = [torch.nn.Parameter(place(torch.randn(*s))) for s in shapes]
-opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
-g = torch.Generator().manual_seed(1)
-for _ in range(3):
-    for p in params:
-        p.grad = place(torch.randn(p.shape, generator=g))
-    opt.step()
-whole = lambda t: t.full_tensor() if layout == "fsdp" else t.detach()
-state = [whole(opt.state[p]["momentum_buffer"]) for p in params]
-torch.save(([whole(p) for p in params], state), f"{out}.{dist.get_rank() if dist.is_initialized() else 0}")
+layouts, out, rank = sys.argv[1].split(","), sys.argv[2], os.environ.get("RANK", "0")
+for layout in layouts:  # "one" first: Muon splits its matrices over the ranks once a process group exists
+    if layout != "one" and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if layout == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    place = (lambda t: distribute_tensor(t, mesh, [Shard(0)])) if layout == "fsdp" else (lambda t: t)
+    torch.manual_seed(0)  # three (48, 16): one rank orthogonalizes two of them, the other one; 33 rows shard unevenly
+    shapes = [(48, 16), (16, 48), (48, 16), (33, 20), (48, 16)]
+    params = [torch.nn.Parameter(place(torch.randn(*s))) for s in shapes]
+    opt = Muon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p in params:
+            p.grad = place(torch.randn(p.shape, generator=g))
+        opt.step()
+    whole = lambda t: t.full_tensor() if layout == "fsdp" else t.detach()
+    state = [whole(opt.state[p]["momentum_buffer"]) for p in params]
+    torch.save(([whole(p) for p in params], state), f"{out}/{layout}.{rank}")
 """
 
 
 def test_muon_steps_bit_identically_over_two_ranks_under_ddp_and_fsdp(tmp_path):
     """The same gradients give every rank, under either layout, exactly the one process's weights and
-    momentum: the split by whole matrices changes who computes, not what."""
+    momentum: the split by whole matrices changes who computes, not what. (One launch: each rank steps
+    alone first, then under DDP, then under FSDP.)"""
     script = tmp_path / "muon_steps.py"
     script.write_text(MUON_STEPS)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    for cmd, layout in (([sys.executable], "one"), (torchrun, "ddp"), (torchrun, "fsdp")):
-        proc = subprocess.run(
-            [*cmd, str(script), layout, str(tmp_path / layout)], capture_output=True, text=True, env=env, cwd=REPO
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    import torch
-
+    proc = subprocess.run(
+        [*torchrun, str(script), "one,ddp,fsdp", str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
     want = torch.load(tmp_path / "one.0")
-    for name in ("ddp.0", "ddp.1", "fsdp.0", "fsdp.1"):
+    for name in ("one.1", "ddp.0", "ddp.1", "fsdp.0", "fsdp.1"):
         got = torch.load(tmp_path / name)
         assert all(torch.equal(a, b) for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True)), name
     assert not torch.equal(want[0][0], torch.load(tmp_path / "ddp.0")[0][2])  # the matrices do differ
 
 
-MUON_RUN = ("--optimizer", "muon", "--muon-momentum-warmup", "2", "--schedule", "wsd")
-
-
-@pytest.fixture(scope="module")
-def muon_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """The same 6 Muon steps in one process, under DDP and under FSDP (2 processes each)."""
-    root = tmp_path_factory.mktemp("muon")
-    return {
-        "one": train(tiny_data, root / "one", 0, *MUON_RUN),
-        "ddp": train(tiny_data, root / "ddp", 2, *MUON_RUN),
-        "fsdp": train(tiny_data, root / "fsdp", 2, *MUON_RUN, "--parallel", "fsdp"),
-    }
-
-
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_muon_over_two_processes_follows_one_process(muon_runs, layout):
-    assert_same_curve(muon_runs[layout], muon_runs["one"])
+def test_muon_over_two_processes_follows_one_process(runs, layout):
+    assert_same_curve(ran(runs, f"muon-{layout}"), runs / "muon-one")
 
 
-def test_muon_resumes_across_layouts(muon_runs, tiny_data, tmp_path):
+def test_muon_resumes_across_layouts(runs, tiny_data, tmp_path):
     """An FSDP checkpoint (DCP shards of the momentum) resumes in one process, a one-process one under
     FSDP, and both go on as the uninterrupted run."""
-    one = train(tiny_data, resume_from(muon_runs["fsdp"], "ckpt_00000003", tmp_path / "one"), 0, *MUON_RUN, "--resume")
-    assert_same_curve(one, muon_runs["one"], from_step=3)
-    sharded = resume_from(muon_runs["one"], "ckpt_00000003.pt", tmp_path / "sharded")
-    train(tiny_data, sharded, 2, *MUON_RUN, "--resume", "--parallel", "fsdp")
-    assert_same_curve(sharded, muon_runs["one"], from_step=3)
+    fsdp = resume_from(ran(runs, "muon-fsdp"), "ckpt_00000003", tmp_path / "one")
+    assert_same_curve(train_here(tiny_data, fsdp, *MUON_RUN, "--resume"), runs / "muon-one", from_step=3)
+    assert_same_curve(ran(runs, "muon-one-resumed-sharded"), runs / "muon-one", from_step=3)
+
+
+def test_muon_with_document_attention_under_ddp_follows_one_process(runs):
+    assert_same_curve(ran(runs, "muon-documents-ddp"), runs / "muon-documents-one")
+
+
+def test_document_attention_under_fsdp_follows_one_process(runs):
+    assert_same_curve(ran(runs, "documents-fsdp"), runs / "documents-one")
 
 
 # ---- a rank that dies under torchrun
@@ -294,7 +341,7 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(
     assert "Traceback" not in result.stderr.split(said[0])[0]  # the first attempt ended without one
     assert result.stdout.count("resumed from") == 1
     assert f"resumed from {out / checkpoint_name(layout, 3)}" in result.stdout
-    assert curve(out) == curve(runs[layout])  # exactly, step for step
+    assert curve(out) == curve(ran(runs, layout))  # exactly, step for step
     assert not list(out.glob(".ckpt_*"))  # the half-written checkpoint was cleared by the next save
 
 
@@ -328,7 +375,7 @@ def test_a_rank_preempted_under_torchrun_exits_143_and_the_restart_resumes_exact
     assert "exitcode: 143" in result.stderr  # torchrun's report of the first attempt's failure
     assert f"resumed from {out / 'ckpt_00000004.pt'} at step 4" in result.stdout
     assert result.stdout.count("resumed from") == 1
-    assert curve(out) == curve(runs["ddp"])
+    assert curve(out) == curve(ran(runs, "ddp"))
 
 
 def checkpoint_name(layout: str, step: int) -> str:
@@ -351,60 +398,29 @@ def test_a_rank_stopped_mid_step_is_named_within_the_timeout_and_the_restart_res
     waited = float((log / "attempt1").read_text()) - float((log / "stopped").read_text())
     assert timeout <= waited < timeout + 15, waited
     assert f"resumed from {out / 'ckpt_00000003.pt'}" in result.stdout and result.stdout.count("resumed from") == 1
-    assert curve(out) == curve(runs["ddp"])
+    assert curve(out) == curve(ran(runs, "ddp"))
 
 
-COPYING_DDP = """
-from torch.nn.parallel import DistributedDataParallel
-
-from fastpt import distributed, train
-from fastpt.errors import run_command
-
-
-class CopyingDDP(DistributedDataParallel):  # DDP as it was: gradients apart from the buckets
-    def __init__(self, *args, gradient_as_bucket_view=True, **kwargs):
-        super().__init__(*args, gradient_as_bucket_view=False, **kwargs)
-
-
-distributed.DDP = CopyingDDP
-run_command(train.main)
-"""
-
-
-def test_ddp_gradients_as_bucket_views_are_bit_identical(runs, tiny_data, tmp_path):
+def test_ddp_gradients_as_bucket_views_are_bit_identical(runs):
     """DDP's gradients as views into its buckets (fastpt's default, 4 bytes per parameter less) train
-    bit for bit as DDP that copies them into the buckets: the same losses and the same weights."""
-    script = tmp_path / "copying_ddp.py"
-    script.write_text(COPYING_DDP)
-    out = tmp_path / "copying"
-    args = (*COMMON, "--data", str(tiny_data), "--out", str(out), *TWO_PROCS)
-    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    result = subprocess.run([sys.executable, *torchrun, *args], capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert curve(out) == curve(runs["ddp"])
-    copied, viewed = (checkpoint.load(checkpoint.latest(run))["model"] for run in (out, runs["ddp"]))
+    bit for bit as DDP that copies them into the buckets (torchrun_cases.copying_ddp): the same losses
+    and the same weights."""
+    out, viewed_run = ran(runs, "copying-ddp"), ran(runs, "ddp")
+    assert curve(out) == curve(viewed_run)
+    copied, viewed = (checkpoint.load(checkpoint.latest(run))["model"] for run in (out, viewed_run))
     assert copied.keys() == viewed.keys() and all(torch.equal(copied[k], viewed[k]) for k in copied)
 
 
-def test_the_round4_options_follow_one_process_under_ddp_and_fsdp(tiny_data, tmp_path):
-    """Squared-ReLU MLP, soft-capped logits, U-net skips (a root parameter FSDP shards with the
-    embedding) and the batch warm-up (fewer no-sync micro-steps at first) in every layout."""
-    options = ("--mlp", "relu2", "--logit-softcap", "15", "--unet-skips", "--batch-warmup-steps", "2")
-    one = train(tiny_data, tmp_path / "one", 0, *options)
+def test_the_model_options_follow_one_process_under_ddp_and_fsdp(runs):
+    """OPTIONS (squared-ReLU MLP, soft-capped logits, U-net skips, the batch warm-up) in every layout."""
     for layout in ("ddp", "fsdp"):
-        assert_same_curve(train(tiny_data, tmp_path / layout, 2, "--parallel", layout, *options), one)
+        assert_same_curve(ran(runs, f"options-{layout}"), runs / "options-one")
 
 
-def test_the_nanochat_recipe_follows_one_process_under_ddp_and_fsdp(tiny_data, tmp_path):
-    """Every nanochat ingredient at once (fastpt.recipes): Polar Express, NorMuon (its running mean
-    square kept whole on every rank), cautious decay on its schedule, the momentum schedule, nanochat's
-    AdamW groups; value embeddings, layer scalars and the backout (root parameters FSDP shards with the
-    embedding), parameter-free norms; in every layout, and an FSDP checkpoint (DCP shards) resumes in
-    one process as the uninterrupted run."""
-    recipe = ("--recipe", "nanochat", "--muon-momentum-warmup", "2", "--muon-weight-decay", "0.5")
-    one = train(tiny_data, tmp_path / "one", 0, *recipe)
+def test_the_nanochat_recipe_follows_one_process_under_ddp_and_fsdp(runs, tiny_data, tmp_path):
+    """NANOCHAT in every layout, and its FSDP checkpoint (DCP shards) resumes in one process as the
+    uninterrupted run."""
     for layout in ("ddp", "fsdp"):
-        assert_same_curve(train(tiny_data, tmp_path / layout, 2, "--parallel", layout, *recipe), one)
-    resumed = resume_from(tmp_path / "fsdp", "ckpt_00000003", tmp_path / "resumed")
-    assert_same_curve(train(tiny_data, resumed, 0, *recipe, "--resume"), one, from_step=3)
+        assert_same_curve(ran(runs, f"nanochat-{layout}"), runs / "nanochat-one")
+    resumed = resume_from(ran(runs, "nanochat-fsdp"), "ckpt_00000003", tmp_path / "resumed")
+    assert_same_curve(train_here(tiny_data, resumed, *NANOCHAT, "--resume"), runs / "nanochat-one", from_step=3)

@@ -25,6 +25,7 @@ from fastpt.evaluate import byte_table, evaluate
 from fastpt.model import Transformer
 from fastpt.multiple_choice import MultipleChoice, encode_in_context, parse_spec, read_tasks
 from fastpt.prepare import prepare
+from torchrun_cases import launch
 
 
 def test_token_bytes_add_up_to_the_texts_utf8_bytes(bpe_data):
@@ -285,9 +286,9 @@ def test_data_without_a_tokenizer_logs_no_bpb_and_refuses_mc(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bos_mixture_and_mc_under_torchrun_follow_one_process(tiny_data, tmp_path):
-    """Two processes (DDP, FSDP) on a bos-packed mixture see the batches, val_bpb, each source's
-    val_loss and each MC task's mc_acc of one process; two tasks of 5 and 3 rows striped over 2
-    ranks leave one rank a row short in each (its forwards padded)."""
+    """Two processes (DDP, FSDP, in one torchrun launch) on a bos-packed mixture see the batches,
+    val_bpb, each source's val_loss and each MC task's mc_acc of one process; two tasks of 5 and 3
+    rows striped over 2 ranks leave one rank a row short in each (its forwards padded)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(SENTENCES * 30))
     prepare([corpus], tmp_path / "sentences", "bytes", workers=1, val_fraction=0.1)
@@ -313,15 +314,16 @@ def test_bos_mixture_and_mc_under_torchrun_follow_one_process(tiny_data, tmp_pat
         "--grad-accum",
         "2",
     ]
-    records = {}
-    for name, nproc, extra in (
-        ("one", 0, ["--micro-batch", "4"]),
-        ("ddp", 2, ["--micro-batch", "2"]),
-        ("fsdp", 2, ["--micro-batch", "2", "--parallel", "fsdp"]),
-    ):
-        result = run_train(*common, *extra, "--out", str(tmp_path / name), nproc=nproc)
-        assert result.returncode == 0, result.stderr[-3000:]
-        records[name] = [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())]
+    one = run_train(*common, "--micro-batch", "4", "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = {"ddp": ["--micro-batch", "2"], "fsdp": ["--micro-batch", "2", "--parallel", "fsdp"]}
+    results = launch({name: [*common, *extra, "--out", str(tmp_path / name)] for name, extra in two.items()}, tmp_path)
+    for name, result in results.items():
+        assert result["code"] == 0, (name, result["stderr"][-3000:])
+    records = {
+        name: [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())]
+        for name in ("one", *two)
+    }
     keys = (
         "loss",
         "val_loss",

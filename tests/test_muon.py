@@ -2,7 +2,7 @@
 the head and the norms, each at its own peak LR (nanochat's, scaled with width), Muon's momentum
 warming up and its weight decay on the schedule; used by the loop, the GradScaler and checkpoints as
 one optimizer; it trains, resumes bit for bit after SIGKILL, takes the config's settings after a
-resume, and follows one process under DDP (under FSDP too: tests/test_distributed.py). Newton-Schulz
+resume, and follows one process under DDP and FSDP (tests/test_distributed.py). Newton-Schulz
 batches same-shape matrices (fp32 on a CPU) and matches torch.optim.Muon's bf16 one."""
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ import signal
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run_main, train_refuses
+from conftest import TINY, read_metrics, records, run_args, run_main, train_refuses
 from fastpt import checkpoint, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.model import Transformer
 from fastpt.muon import Muon, newton_schulz
 from fastpt.optim import apply_schedule, is_muon_matrix, muon_momentum_at, optimizers_for, peak_lrs, step_all
+from faults import run_faulty
 
 MUON = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02)
 
@@ -215,8 +216,6 @@ def test_muon_with_wsd_resumes_exactly_from_a_checkpoint(tiny_data, tmp_path, ca
     """In process: a fresh folder holding only the checkpoint of step `at` continues as the run went on."""
     import shutil
 
-    from test_reliability import records, run_args
-
     reference = [*run_args(tiny_data, tmp_path / "reference", *RECIPE), "--keep-checkpoints", "3"]
     assert run_main(train.main, reference, capsys)[0] == 0
     (tmp_path / "run").mkdir()
@@ -229,8 +228,6 @@ def test_muon_with_wsd_resumes_exactly_from_a_checkpoint(tiny_data, tmp_path, ca
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [6, 9])  # wsd: stable at 6, decaying at 9
 def test_muon_with_wsd_resumes_bit_identically_after_sigkill(tiny_data, tmp_path, capsys, kill_at):
-    from test_reliability import records, run_args, run_faulty
-
     code, _, err = run_main(train.main, run_args(tiny_data, tmp_path / "reference", *RECIPE), capsys)
     assert code == 0, err
     killed = run_faulty("kill-at-step", kill_at, *run_args(tiny_data, tmp_path / "run", *RECIPE))
@@ -316,17 +313,6 @@ def test_muon_under_fsdp_is_accepted(tmp_path):
     assert (cfg.optimizer, cfg.parallel) == ("muon", "fsdp")
 
 
-@pytest.mark.slow
-def test_muon_with_document_attention_under_ddp_follows_one_process(tiny_data, tmp_path):
-    from test_distributed import assert_same_curve
-    from test_distributed import train as train_dist
-
-    recipe = ("--optimizer", "muon", "--attention", "document", "--schedule", "wsd")
-    assert_same_curve(
-        train_dist(tiny_data, tmp_path / "ddp", 2, *recipe), train_dist(tiny_data, tmp_path / "one", 0, *recipe)
-    )
-
-
 CHANGED = {  # per optimizer: flags a resume changes, and the group settings they must show after its steps
     "adamw": (
         ("--lr", "2e-3", "--weight-decay", "0.05", "--beta1", "0.85"),
@@ -346,8 +332,6 @@ def test_a_resume_takes_the_configs_optimizer_settings(tiny_data, tmp_path, caps
     """A changed setting applies to every group after the resume and is named in one line; an
     unchanged config resumes bit for bit."""
     import shutil
-
-    from test_reliability import records, run_args
 
     flags, want, line = CHANGED[optimizer]
     recipe = ("--optimizer", optimizer, "--lr", "1e-3", "--muon-momentum-warmup", "0", "--keep-checkpoints", "3")

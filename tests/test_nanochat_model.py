@@ -224,7 +224,7 @@ def test_each_option_is_refused_by_export_with_one_line_naming_it(key):
 
 
 def test_a_run_with_every_option_resumes_exactly_and_refuses_export(tiny_data, tmp_path, capsys):
-    from test_reliability import records, run_args
+    from conftest import records, run_args
 
     flags = (*FLAGS, "--optimizer", "muon", "--adamw-groups", "nanochat")
     reference = [*run_args(tiny_data, tmp_path / "reference", *flags), "--keep-checkpoints", "3"]

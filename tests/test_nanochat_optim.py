@@ -201,7 +201,7 @@ NANOCHAT_OPTIM = (
 def test_nanochats_optimizer_resumes_exactly(tiny_data, tmp_path, capsys, at):
     """A fresh folder holding only the checkpoint of step `at` continues as the run went on:
     NorMuon's running mean square is in the checkpoint, the schedules are the step's."""
-    from test_reliability import records, run_args
+    from conftest import records, run_args
 
     reference = [*run_args(tiny_data, tmp_path / "reference", *NANOCHAT_OPTIM), "--keep-checkpoints", "3"]
     assert run_main(train.main, reference, capsys)[0] == 0

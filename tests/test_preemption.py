@@ -1,7 +1,7 @@
 """Preemption's exit code: a run stopped by SIGTERM or Ctrl-C checkpoints, then exits 143 or 130 (128 +
 the signal, as a shell reports it), so `train && export` and torchrun's restart policy see an
 unfinished run; 1 when that checkpoint could not be written. In this process: the signal comes
-from the run itself, after a chosen step (the real process and torchrun: test_reliability.py and
+from the run itself, after a chosen step (the real process and torchrun: test_signals.py and
 test_distributed.py)."""
 
 from __future__ import annotations
