@@ -100,7 +100,7 @@ def test_fsdp_reducing_every_micro_step_follows_one_process(runs, tiny_data, tmp
     )
 
 
-@pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full")])
+@pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full"), ("ddp", "selective")])
 def test_compiled_with_activation_checkpointing_follows_one_process(runs, tiny_data, tmp_path, layout, checkpointing):
     """FSDP compiles each block before sharding it, DDP the whole model before wrapping it; with
     activation checkpointing inside the blocks both still train as the eager one-process run."""
