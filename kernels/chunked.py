@@ -37,7 +37,7 @@ def _chunk(
     if grad_scale is None:
         return loss, z, None
     # d(lse - l_t + z * lse^2) / dl = softmax(l) * (1 + 2 z lse) - onehot(t)
-    scale = torch.where(counted, grad_scale, 0.0)
+    scale = torch.where(counted, grad_scale, 0.0).to(logits.dtype)  # fp64 where the inputs are
     grad = logits.sub_(lse[:, None]).exp_().mul_(((1 + 2 * z_loss * lse) * scale)[:, None])
     grad.scatter_add_(1, safe, -scale[:, None])
     if tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2

@@ -43,11 +43,12 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
         (199, 64, 1000, "mean", {"softcap": SOFTCAP}, torch.float32),
         pytest.param(123, 760, 50257, "mean", {"z_loss": 1e-2, "softcap": SOFTCAP}, torch.bfloat16, marks=SLOW),
         (199, 760, 4099, "none", {"softcap": SOFTCAP}, torch.bfloat16),
+        (123, 64, 1000, "mean", {"z_loss": 1e-2}, torch.float64),  # the self-check's oracle dtype
     ],
 )
 def test_chunked_loss_matches_the_reference(monkeypatch, rows, hidden, vocab, reduction, options, dtype):
     """Loss, z-loss term and both gradients against the float64 reference, in several chunks of rows
-    (7 or more): fp32 to 1e-5, bf16 (inputs and weight) to 1e-2, ignored targets included."""
+    (7 or more): fp32 (and fp64) to 1e-5, bf16 (inputs and weight) to 1e-2, ignored targets included."""
     monkeypatch.setattr(scratch, "CHUNK_BYTES", max(1, rows // 7) * vocab * 4)
     torch.manual_seed(rows)
     x, w = torch.randn(rows, hidden), 4 * torch.randn(vocab, hidden) / hidden**0.5
@@ -56,9 +57,10 @@ def test_chunked_loss_matches_the_reference(monkeypatch, rows, hidden, vocab, re
     kwargs = dict(reduction=reduction, **options)
     ours = _loss_and_grads(chunked.linear_cross_entropy, x.to(dtype), w.to(dtype), target, upstream, **kwargs)
     want = _loss_and_grads(reference.linear_cross_entropy, x.double(), w.double(), target, upstream, **kwargs)
-    assert [t.dtype for t in ours] == [torch.float32, torch.float32, dtype, dtype]
+    loss_dtype = torch.promote_types(dtype, torch.float32)
+    assert [t.dtype for t in ours] == [loss_dtype, loss_dtype, dtype, dtype]
     for actual, expected in zip(ours, want):
-        _close(actual, expected, 1e-5 if dtype == torch.float32 else 1e-2)
+        _close(actual, expected, 1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_chunked_loss_under_autocast_matches_the_reference():
