@@ -22,25 +22,33 @@ def _chunk(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """One chunk of rows x (n, D) against w (V, D): its loss rows (z-loss included), z-loss rows and,
     with grad_scale (n,), the gradient of sum_i grad_scale[i] * loss_i with respect to the (uncapped)
-    logits x @ w.T, in w's dtype. The fp32 work is done in place: a chunk holds one fp32 copy of its
-    logits (two when capped: tanh's, for the gradient) and at the end the gradient in w's dtype."""
+    logits x @ w.T, in w's dtype. Eager, the fp32 work is done in place: a chunk holds one fp32 copy
+    of its logits (two when capped: tanh's, for the gradient) and at the end the gradient in w's
+    dtype. Compiled, the same as pure expressions, which Inductor fuses into a pass or two per chunk
+    (in-place chains and a scatter would each be a pass of their own)."""
+    compiling = torch.compiler.is_compiling()
     counted = target != ignore_index
     safe = torch.where(counted, target, 0)[:, None]
     logits = _upcast(x @ w.T)  # the product in w's dtype lives only until its fp32 copy exists
     tanh = None
     if softcap:
-        tanh = logits.div_(softcap).tanh_()
+        tanh = (logits / softcap).tanh() if compiling else logits.div_(softcap).tanh_()
         logits = tanh * softcap
     lse = logits.logsumexp(-1)
     z = torch.where(counted, z_loss * lse.square(), 0.0)
     loss = torch.where(counted, lse - logits.gather(1, safe).squeeze(1), 0.0) + z
     if grad_scale is None:
         return loss, z, None
-    # d(lse - l_t + z * lse^2) / dl = softmax(l) * (1 + 2 z lse) - onehot(t)
+    # d(lse - l_t + z * lse^2) / dl = softmax(l) * (1 + 2 z lse) - onehot(t), times 1 - tanh^2 when capped
     scale = torch.where(counted, grad_scale, 0.0).to(logits.dtype)  # fp64 where the inputs are
-    grad = logits.sub_(lse[:, None]).exp_().mul_(((1 + 2 * z_loss * lse) * scale)[:, None])
+    coef = ((1 + 2 * z_loss * lse) * scale)[:, None]
+    if compiling:
+        onehot = torch.arange(logits.shape[1], device=logits.device) == safe
+        grad = (logits - lse[:, None]).exp() * coef - onehot * scale[:, None]
+        return loss, z, (grad if tanh is None else grad * (1 - tanh * tanh)).to(w.dtype)
+    grad = logits.sub_(lse[:, None]).exp_().mul_(coef)
     grad.scatter_add_(1, safe, -scale[:, None])
-    if tanh is not None:  # d(cap * tanh(l / cap)) / dl = 1 - tanh^2
+    if tanh is not None:
         grad.mul_(tanh.square_().neg_().add_(1))
         del tanh
     return loss, z, grad.to(w.dtype)
@@ -62,11 +70,10 @@ def chunked_loss(
     n_rows = input.shape[0]
     w = weight.to(compute_dtype)
     rows_each = chunk_rows(n_rows, weight.shape[0], torch.promote_types(compute_dtype, torch.float32))
-    losses, zs = [], []
-    dinput = dweight = None
+    losses, zs, dinputs = [], [], []
+    dweight = None
     if grad_scale is not None:
         grad_scale = grad_scale.expand(n_rows)
-        dinput = torch.empty_like(input)
         accumulator = torch.promote_types(weight.dtype, torch.float32)
         dweight = torch.zeros(weight.shape, dtype=accumulator, device=weight.device)
     for start in range(0, n_rows, rows_each):
@@ -77,9 +84,9 @@ def chunked_loss(
         losses.append(loss)
         zs.append(z)
         if grad is not None:
-            dinput[rows] = grad @ w
+            dinputs.append((grad @ w).to(input.dtype))  # joined once at the end: compiled, a slice write copies it all
             dweight.add_(grad.T @ x)  # the product in compute_dtype, the sum over chunks in fp32
-    return torch.cat(losses), torch.cat(zs), dinput, dweight
+    return torch.cat(losses), torch.cat(zs), torch.cat(dinputs) if dinputs else None, dweight
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
