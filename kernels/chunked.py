@@ -68,7 +68,7 @@ def chunked_loss(
     matmuls in compute_dtype; with grad_scale (0-dim or (N,)), the gradients of
     sum_i grad_scale[i] * loss_i too: with respect to input (its dtype) and weight (fp32 or wider)."""
     n_rows = input.shape[0]
-    w = weight.to(compute_dtype)
+    w, input_cast = weight.to(compute_dtype), input.to(compute_dtype)  # cast once, not per chunk (a launch each)
     rows_each = chunk_rows(n_rows, weight.shape[0], torch.promote_types(compute_dtype, torch.float32))
     losses, zs, dinputs = [], [], []
     dweight = None
@@ -78,7 +78,7 @@ def chunked_loss(
         dweight = torch.zeros(weight.shape, dtype=accumulator, device=weight.device)
     for start in range(0, n_rows, rows_each):
         rows = slice(start, start + rows_each)
-        x = input[rows].to(compute_dtype)
+        x = input_cast[rows]
         scale = None if grad_scale is None else grad_scale[rows]
         loss, z, grad = _chunk(x, w, target[rows], ignore_index, z_loss, softcap, scale)
         losses.append(loss)
