@@ -351,7 +351,8 @@ class TrainConfig:
     )
     activation_checkpointing: str = setting(
         "none",
-        "recompute block activations in the backward to save memory: full = every block, selective = every other block",
+        "recompute block activations in the backward to save memory: full = every block's whole forward, "
+        "selective = each block's pointwise ops and every second matmul (torchtitan's op policy)",
         choices=("none", "full", "selective"),
     )
     float8: bool = setting(

@@ -10,8 +10,8 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
+from fastpt import checkpointing
 from fastpt.attention import attend, document_mask
 from fastpt.kernels import api as kernels
 from fastpt.kernels import reference
@@ -159,9 +159,9 @@ def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str, checkpointed: bool = False, value_embed: bool = False):
+    def __init__(self, cfg: ModelConfig, backend: str, checkpointing: str = "none", value_embed: bool = False):
         super().__init__()
-        self.checkpointed = checkpointed  # recompute the activations in the backward instead of keeping them
+        self.checkpointing = checkpointing  # what the backward recomputes instead of keeping (fastpt.checkpointing)
         learned = not cfg.parameter_free_norms
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)
         self.attention = Attention(cfg, backend, value_embed)
@@ -169,10 +169,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = MLPS[cfg.mlp](cfg)
 
     def forward(self, x, cos, sin, cache=None, mask=None, ve=None):
-        if self.checkpointed and self.training and cache is None:
-            # Inside the block, so a compiled block (and FSDP's unit, the block) sees it; non-reentrant
-            # as PyTorch advises. Nothing in a block is random: no RNG state to save and restore.
-            return checkpoint(self._forward, x, cos, sin, None, mask, ve, use_reentrant=False, preserve_rng_state=False)
+        if self.checkpointing != "none" and self.training and cache is None:
+            # Inside the block, so a compiled block (and FSDP's unit, the block) sees it.
+            return checkpointing.checkpointed(self.checkpointing, self._forward, x, cos, sin, None, mask, ve)
         return self._forward(x, cos, sin, cache, mask, ve)
 
     def _forward(self, x, cos, sin, cache=None, mask=None, ve=None):
@@ -180,14 +179,6 @@ class TransformerBlock(nn.Module):
         x = x + a
         x = x + self.feed_forward(self.ffn_norm(x))
         return x, new_cache
-
-
-# Activation checkpointing: which blocks recompute their activations in the backward.
-CHECKPOINTED_BLOCKS = {
-    "none": lambda i: False,
-    "full": lambda i: True,
-    "selective": lambda i: i % 2 == 0,  # every other block, the first included: ~half the saving, ~half the cost
-}
 
 
 def unet_wiring(n_layers: int) -> str:
@@ -209,7 +200,7 @@ class Transformer(nn.Module):
     """The model of a ModelConfig. Three training choices that checkpoints do not record: `backend`
     (auto | triton | torch) picks how its RMSNorms and loss run; `z_loss` adds PaLM's
     z_loss * logsumexp^2 stabilizer to the loss; `activation_checkpointing` (none | full |
-    selective, see CHECKPOINTED_BLOCKS) trades a recomputed forward for activation memory."""
+    selective, see fastpt.checkpointing) trades recomputed work for activation memory."""
 
     def __init__(
         self,
@@ -221,17 +212,12 @@ class Transformer(nn.Module):
     ):
         super().__init__()
         cfg.check()
-        if activation_checkpointing not in CHECKPOINTED_BLOCKS:
-            raise ValueError(
-                f"activation_checkpointing must be one of {', '.join(CHECKPOINTED_BLOCKS)}, "
-                f"got {activation_checkpointing!r}"
-            )
+        checkpointing.check(activation_checkpointing)
         self.cfg, self.backend, self.z_loss = cfg, backend, z_loss
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        checkpointed = CHECKPOINTED_BLOCKS[activation_checkpointing]
         value_embed = lambda i: cfg.value_embeds and has_value_embed(i, cfg.n_layers)
         self.layers = nn.ModuleList(
-            TransformerBlock(cfg, backend, checkpointed(i), value_embed(i)) for i in range(cfg.n_layers)
+            TransformerBlock(cfg, backend, activation_checkpointing, value_embed(i)) for i in range(cfg.n_layers)
         )
         learned = not cfg.parameter_free_norms
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, backend, learned)

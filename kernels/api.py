@@ -3,7 +3,8 @@ the pure-PyTorch reference per call.
 
 Every op takes ``backend``: "auto" runs the Triton kernels on CUDA tensors and the reference on
 CPU tensors, unless TRITON_INTERPRET=1 is set, which runs the kernels on CPU through Triton's
-interpreter; "triton" forces the kernels (an error where they cannot run); "torch" the reference.
+interpreter; "triton" forces the kernels (an error where they cannot run); "torch" the reference
+(linear_cross_entropy: the reference's result chunked over rows, kernels.chunked).
 Inside ``tracing_only()``, "triton" picks the kernels' ops on any tensor, for tracing their
 registered fakes (a memory plan of a GPU run on a machine that cannot run them).
 """
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-from . import functional, reference
+from . import chunked, functional, reference
 
 __all__ = ["rms_norm", "cross_entropy", "linear_cross_entropy", "available", "interpreting", "tracing_only"]
 
@@ -121,10 +122,11 @@ def linear_cross_entropy(
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """cross_entropy(input @ weight.T, target, ...), input (N, D), weight (V, D); fp32 loss, z_loss,
-    return_z_loss and softcap as in cross_entropy. The Triton path never materializes the (N, V)
-    logits, capped or not."""
+    return_z_loss and softcap as in cross_entropy. Neither path materializes the (N, V) logits,
+    capped or not: the Triton kernels, or "torch"'s chunked PyTorch (kernels.chunked; the unchunked
+    reference.linear_cross_entropy is the tests' oracle)."""
     _check_loss_args(reduction, softcap, input=input, weight=weight)
-    impl = functional if _use_triton(backend, input) else reference
+    impl = functional if _use_triton(backend, input) else chunked
     return impl.linear_cross_entropy(
         input,
         weight,

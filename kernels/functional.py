@@ -11,7 +11,7 @@ is first imported: triton.jit reads it when a function is decorated, triton.lang
 import torch
 from torch import Tensor
 
-from .reference import reduce_rows
+from .reference import reduce_rows, row_scale
 
 # The ops' namespace. The folder is fastpt.kernels (a top-level `import kernels` never loads it), so
 # these are registered once.
@@ -80,14 +80,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 # ------------------------------------------------------------------ loss reduction helpers
-
-
-def _row_scale(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
-    """d loss / d loss_row of a counted row, 0-dim fp32, without a host sync: 1/n_counted for
-    "mean" (1 if no row counts: every gradient is 0 then), else 1."""
-    if reduction == "mean":
-        return 1.0 / (target != ignore_index).sum().clamp(min=1).float()
-    return torch.ones((), dtype=torch.float32, device=target.device)
 
 
 def _loss_fake(rows: Tensor, reduction: str) -> Tensor:
@@ -296,7 +288,7 @@ def _linear_cross_entropy_setup(ctx, inputs, output):
 def _linear_cross_entropy_grad(ctx, grad_loss, _, __, ___):
     _no_double_backward("linear_cross_entropy")
     input, weight, target, dinput, dweight = ctx.saved_tensors
-    scale = grad_loss * _row_scale(target, ctx.ignore_index, ctx.reduction)
+    scale = grad_loss * row_scale(target, ctx.ignore_index, ctx.reduction)
     if ctx.early:
         dinput, dweight = dinput * scale, dweight * scale
     else:

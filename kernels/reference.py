@@ -17,6 +17,14 @@ def reduce_rows(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, red
     return rows.sum() / (target != ignore_index).sum() if reduction == "mean" else rows.sum()
 
 
+def row_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
+    """d reduce_rows / d row of a counted row, 0-dim fp32, without a host sync: 1/n_counted for
+    "mean" (1 if no row counts: every gradient is 0 then), else 1."""
+    if reduction == "mean":
+        return 1.0 / (target != ignore_index).sum().clamp(min=1).float()
+    return torch.ones((), dtype=torch.float32, device=target.device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in (at least) fp32, output in x's dtype."""
     xf = _upcast(x)

@@ -81,6 +81,7 @@ TWO_PROCESS_RUNS = {  # name -> flags, in launch order
     "muon-documents-ddp": MUON_DOCUMENTS,
     "compiled-fsdp-selective": (*FSDP, "--compile", "--activation-checkpointing", "selective"),
     "compiled-ddp-full": ("--parallel", "ddp", "--compile", "--activation-checkpointing", "full"),
+    "compiled-ddp-selective": ("--parallel", "ddp", "--compile", "--activation-checkpointing", "selective"),
     "nanochat-ddp": (*NANOCHAT, "--parallel", "ddp"),
     "nanochat-fsdp": (*NANOCHAT, *FSDP),
 }
@@ -159,7 +160,7 @@ def test_fsdp_reducing_every_micro_step_follows_one_process(runs):
     assert_same_curve(ran(runs, "fsdp-reshard"), runs / "one")
 
 
-@pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full")])
+@pytest.mark.parametrize("layout, checkpointing", [("fsdp", "selective"), ("ddp", "full"), ("ddp", "selective")])
 def test_compiled_with_activation_checkpointing_follows_one_process(runs, layout, checkpointing):
     """FSDP compiles each block before sharding it, DDP the whole model before wrapping it; with
     activation checkpointing inside the blocks both still train as the eager one-process run."""

@@ -109,19 +109,18 @@ def logits_sized(p: planner.Plan, rows: int, vocab: int) -> list[Life]:
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fused_loss_keeps_no_logits(compiled):
+def test_neither_loss_keeps_the_logits(compiled):
     """--kernels auto plans fastpt's fused linear + cross-entropy (through its registered fake and
-    setup_context) for a GPU: no (N, V) logits in the step, none kept for the backward, and a peak
-    under 70% of --kernels torch's, which keeps them (measured: 60% compiled, where Inductor writes
-    the logits' gradient over them). The shape of 0.04b's
-    loss at micro-batch 8 (8192 rows, vocab 32000: two chunks of the fused kernel), on a one-layer body."""
+    setup_context) for a GPU, --kernels torch the chunked PyTorch one: neither holds a (N, V) logits
+    tensor at any moment of the step, and the PyTorch one's fp32 chunks add less than half the fp32
+    logits to the peak (measured: a quarter eager, 0.36 compiled). The shape of 0.04b's loss at
+    micro-batch 8 (8192 rows, vocab 32000: two chunks of the fused kernel), on a one-layer body."""
     flags = ("--preset", "tiny", "--vocab-size", "32000", "--dim", "64", "--n-layers", "1", "--n-heads", "2")
     flags += ("--micro-batch", "8", "--seq-len", "1024") + (("--compile",) if compiled else ())
     torch_plan, fused = plan_of(*flags, "--kernels", "torch"), plan_of(*flags)
     rows, vocab = 8 * 1024, 32000
-    assert any(torch_plan.trace.kept(life) for life in logits_sized(torch_plan, rows, vocab))
-    assert not logits_sized(fused, rows, vocab)
-    assert fused.peak.bytes < 0.7 * torch_plan.peak.bytes
+    assert not logits_sized(torch_plan, rows, vocab) and not logits_sized(fused, rows, vocab)
+    assert torch_plan.peak.bytes - fused.peak.bytes < rows * vocab * 4 / 2
 
 
 def test_cuda_plan_adds_what_a_gpu_holds_and_a_cpu_plan_does_not():

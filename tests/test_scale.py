@@ -18,6 +18,7 @@ from fastpt.data.dataset import Windows, find_shards
 from fastpt.distributed import Dist, parallelize
 from fastpt.evaluate import evaluate
 from fastpt.model import Transformer
+from fastpt.plan.memory import MemoryTrace
 from fastpt.profiling import compiled_graphs
 
 SMALL = dataclasses.replace(PRESETS["tiny"], vocab_size=64, dim=32, n_heads=2, ffn_dim=64, n_layers=4, max_seq_len=16)
@@ -33,7 +34,10 @@ def model_of(ac: str, compile: bool = False, cfg=SMALL) -> Transformer:
 
 def train_steps(model: Transformer, steps: int = 3) -> tuple[list[float], dict, int]:
     """`steps` AdamW steps on fixed batches: the losses, the last step's gradients, and the bytes
-    autograd saved for the last backward (what activation checkpointing is meant to shrink)."""
+    the last forward left alive for its backward (what activation checkpointing is meant to shrink):
+    eager, the storages its ops made that outlive it (selective checkpointing keeps its outputs apart
+    from autograd's saved tensors); compiled, what the graph saves for its backward (Inductor's
+    buffers are no dispatched ops)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.randint(
         0, SMALL.vocab_size, (steps, 2, SMALL.max_seq_len + 1), generator=torch.Generator().manual_seed(1)
@@ -44,15 +48,23 @@ def train_steps(model: Transformer, steps: int = 3) -> tuple[list[float], dict, 
         saved[0] += t.numel() * t.element_size()
         return t
 
+    compiled = model._compiled_call_impl is not None
     for batch in data:
         optimizer.zero_grad()
         saved[0] = 0
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with MemoryTrace() as mem, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mem.add([*model.parameters(), *model.buffers()], "parameters")
             _, loss, _ = model(batch[:, :-1], labels=batch[:, 1:])
+        kept = saved[0] if compiled else sum(life.nbytes for life in forward_made(mem, mem.event))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, saved[0]
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}, kept
+
+
+def forward_made(mem: MemoryTrace, event: int) -> list:
+    """The storages the forward's ops made (not the parameters' views) that are alive at `event`."""
+    return [life for life in mem.lives if life.phase == "forward" and life.alive_at(event)]
 
 
 def assert_same_training(got, want) -> None:
@@ -64,7 +76,8 @@ def assert_same_training(got, want) -> None:
 
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_activation_checkpointing_same_losses_and_gradients_less_saved(compile):
-    """Compiled: on 2 blocks (selective checkpoints the first), half the graph Inductor builds for 4."""
+    """The same training under each policy, keeping less: full less than selective, selective less
+    than none (compiled: on 2 blocks, half the graph Inductor builds for 4)."""
     cfg = dataclasses.replace(SMALL, n_layers=2) if compile else SMALL
     none, full, selective = (train_steps(model_of(ac, compile, cfg)) for ac in ("none", "full", "selective"))
     assert_same_training(full, none)
@@ -74,9 +87,27 @@ def test_activation_checkpointing_same_losses_and_gradients_less_saved(compile):
         assert full[2] < 0.3 * none[2]
 
 
-def test_selective_checkpoints_every_other_block():
-    assert [b.checkpointed for b in model_of("selective").layers] == [True, False, True, False]
-    assert not any(b.checkpointed for b in model_of("none").layers)
+def test_selective_keeps_matmul_and_attention_outputs_and_recomputes_the_rest():
+    """Every block checkpointed by the op policy: its forward keeps attention's output (and its
+    logsumexp) and every other matmul's (a SwiGLU block's 1st, 3rd, 5th and 7th) and no pointwise result; the recompute
+    in the backward makes only what was not kept."""
+    from fastpt.checkpointing import KEPT_OPS
+
+    model = model_of("selective")
+    assert {b.checkpointing for b in model.layers} == {"selective"}
+    x = torch.randint(0, SMALL.vocab_size, (2, SMALL.max_seq_len))
+    with MemoryTrace() as mem:
+        mem.add([*model.parameters(), *model.buffers()], "parameters")
+        loss = model(x, labels=x).loss
+        forward_end = mem.event
+        loss.backward()
+    kept = [life.op for life in forward_made(mem, forward_end)]
+    per_block = {op: kept.count(op) / SMALL.n_layers for op in set(kept) if any(op == str(k) for k in KEPT_OPS)}
+    assert per_block == {"aten.mm.default": 4, "aten._scaled_dot_product_flash_attention_for_cpu.default": 2}
+    recomputed = [life.op for life in mem.lives if life.phase == "backward" and life.born >= forward_end]
+    assert recomputed.count("aten.mm.default") >= 3 * SMALL.n_layers  # the other matmuls, then the gradients'
+    assert "aten.silu.default" not in kept and kept.count("aten.rsqrt.default") == 1  # the final norm's alone
+    assert not any(b.checkpointing != "none" for b in model_of("none").layers)
     with pytest.raises(ValueError, match="activation_checkpointing must be one of none, full, selective"):
         model_of("some")
 

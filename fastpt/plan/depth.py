@@ -5,7 +5,7 @@ every figure along the line through the two plans (extrapolated_peak here; the p
 step time in plan.planner and plan.timing). The first block and the last differ from the rest
 (their neighbours are the embedding and the head; FSDP prefetches a next block into all but the
 last; the peak may sit in the first block's backward), so a has FIRST_LAYERS: the first, a middle
-one and the last. Choices that repeat every other block (selective checkpointing, U-net skips) take
+one and the last. A choice that repeats every other block (U-net skips) takes
 a period of two blocks and an a of the model's parity; a compiled graph's kernels alternate from one
 depth to the next, so compiled traces are two blocks apart too (the line then averages over both).
 tests/test_plan.py holds the result to the whole model's trace.
@@ -23,7 +23,7 @@ FIRST_LAYERS = 3
 def traced_layers(cfg: TrainConfig, mcfg: ModelConfig) -> tuple[int, int] | None:
     """The two block counts the model is planned from; None when tracing them would cost more than
     half of tracing the model itself (then it is traced whole)."""
-    alternate = cfg.activation_checkpointing == "selective" or mcfg.unet_skips
+    alternate = mcfg.unet_skips
     period = 2 if alternate or cfg.compile else 1
     a = FIRST_LAYERS + ((mcfg.n_layers - FIRST_LAYERS) % 2 if alternate else 0)
     return (a, a + period) if 2 * (2 * a + period) <= mcfg.n_layers else None

@@ -14,7 +14,7 @@ from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_output
 from fastpt.plan.gpus import Card, card, machine_card
-from fastpt.plan.planner import Plan, describe, fit_margin, gib, planned_config, to_json, trace, unmodelled
+from fastpt.plan.planner import Plan, describe, fit_margin, gib, planned_config, to_json, trace, unmodelled, verdict
 from fastpt.plan.progress import progress
 from fastpt.plan.search import next_steps
 
@@ -109,6 +109,18 @@ def other_gradient_sync(plan: Plan) -> list[str]:
     return [f"{how}: peak {gib(other.peak.bytes)}, the card needs {gib(other.card_bytes)}"]
 
 
+def fallback(plan: Plan) -> list[str]:
+    """A run that fits on fastpt's kernels by --kernels auto: the plan of the PyTorch fallback that a
+    kernel failing its self-check switches the run to (fastpt.selfcheck), a line, that says when it
+    would not fit (else none)."""
+    if not (plan.target == "cuda" and plan.cfg.kernels == "auto" and plan.fits()):
+        return []
+    progress.task("the PyTorch fallback, if a kernel fails its self-check")
+    other = trace(dataclasses.replace(plan.cfg, kernels="torch"), plan.target, plan.world_size)
+    other.card = plan.card
+    return [f"if a kernel fails its self-check, the PyTorch fallback needs {gib(other.card_bytes)}: {verdict(other)}"]
+
+
 def exact_micro_batch(largest: int, sequences: int) -> int:
     """The largest divisor of `sequences` up to `largest` (the step keeps its sequences exactly);
     `largest` itself when that divisor is under half of it (more than twice the micro-steps)."""
@@ -175,7 +187,7 @@ def main(cli: dict, config_file: str | None) -> int:
         else:
             plan = trace(cfg, target, cfg.plan_world_size)
             plan.card = gpu
-        lines = describe(plan, next_steps(plan)) + ([why] if why else []) + other_gradient_sync(plan)
+        lines = describe(plan, next_steps(plan)) + ([why] if why else []) + other_gradient_sync(plan) + fallback(plan)
     print("\n".join(lines), flush=True)
     if warning := unmodelled(plan):
         print(warning, file=sys.stderr, flush=True)
