@@ -13,8 +13,20 @@ from pathlib import Path
 from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
 from fastpt.files import os_reason, write_output
+from fastpt.kernels import scratch
 from fastpt.plan.gpus import Card, card, machine_card
-from fastpt.plan.planner import Plan, describe, fit_margin, gib, planned_config, to_json, trace, unmodelled, verdict
+from fastpt.plan.planner import (
+    Plan,
+    describe,
+    fit_margin,
+    gib,
+    planned_config,
+    planned_model,
+    to_json,
+    trace,
+    unmodelled,
+    verdict,
+)
 from fastpt.plan.progress import progress
 from fastpt.plan.search import next_steps
 
@@ -109,12 +121,27 @@ def other_gradient_sync(plan: Plan) -> list[str]:
     return [f"{how}: peak {gib(other.peak.bytes)}, the card needs {gib(other.card_bytes)}"]
 
 
+def fallback_extra(cfg: TrainConfig) -> int:
+    """At most what the PyTorch fallback needs beyond fastpt's kernels: every norm keeping an fp32 copy
+    of its input and of its product for the backward (the kernel keeps its statistics), and the loss's
+    chunks (a product, its fp32 copy, tanh's, the gradient) with fp32 gradients of its input and
+    weight. A bound: a plan with that much to spare fits on the fallback without a trace of its own."""
+    mcfg = planned_model(cfg)
+    rows = cfg.micro_batch * (cfg.seq_len or mcfg.max_seq_len)
+    qk = (mcfg.dim + mcfg.kv_heads * mcfg.head_dim) if (mcfg.qk_norm or mcfg.qk_norm_scale) else 0
+    normed = mcfg.n_layers * (2 * mcfg.dim + qk) + mcfg.dim * (2 if mcfg.embed_norm else 1)
+    return 2 * 4 * rows * normed + 4 * scratch.CHUNK_BYTES + 4 * (mcfg.vocab_size + rows) * mcfg.dim
+
+
 def fallback(plan: Plan) -> list[str]:
-    """A run that fits on fastpt's kernels by --kernels auto: the plan of the PyTorch fallback that a
-    kernel failing its self-check switches the run to (fastpt.selfcheck), a line, that says when it
-    would not fit (else none)."""
+    """A run that fits on fastpt's kernels by --kernels auto: whether the PyTorch fallback that a kernel
+    failing its self-check switches the run to (fastpt.selfcheck) fits too, a line. Traced only when
+    the plan's room is within fallback_extra's bound."""
     if not (plan.target == "cuda" and plan.cfg.kernels == "auto" and plan.fits()):
         return []
+    extra = fallback_extra(plan.cfg)
+    if plan.card_bytes + extra <= plan.card.usable:
+        return [f"if a kernel fails its self-check, the PyTorch fallback fits too (it needs at most {gib(extra)} more)"]
     progress.task("the PyTorch fallback, if a kernel fails its self-check")
     other = trace(dataclasses.replace(plan.cfg, kernels="torch"), plan.target, plan.world_size)
     other.card = plan.card
