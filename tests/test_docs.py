@@ -92,3 +92,14 @@ def test_the_docs_card_list_is_the_planners():
     table = next(b for b in text[text.index("## The cards") :].split("\n\n") if b.startswith("|"))
     names = [cell for row in table.splitlines()[2:] for cell in re.findall(r"`([^`]+)`", row.split("|")[1])]
     assert sorted(names) == sorted(gpus.GPUS)
+
+
+def test_pages_stay_short():
+    """The README is a front page (160 lines at most, its two commands on the first screen); each docs
+    page serves one task (350 lines at most)."""
+    readme = (REPO / "README.md").read_text().splitlines()
+    assert len(readme) <= 160
+    first_screen = "\n".join(readme[:30])
+    assert "python -m fastpt.train --compile" in first_screen and "pytest -q" in first_screen
+    long = {p.name: n for p in (REPO / "docs").glob("*.md") if (n := len(p.read_text().splitlines())) > 350}
+    assert not long, long
