@@ -75,3 +75,11 @@ def test(monkeypatch):
         pass
 """
     assert [hit.split(":")[0] for hit in monkeypatched_torch_configs(source)] == ["8", "9", "10", "11"]
+
+
+def test_test_files_stay_findable():
+    """A test file past 700 lines holds more than one concern: split it by concern (CONTRIBUTING's
+    map says where each kind of test lives)."""
+    files = [*(REPO / "tests").glob("*.py"), *(REPO / "bench").glob("test_*.py")]
+    long = {p.name: n for p in files if (n := len(p.read_text().splitlines())) > 700}
+    assert not long, long
