@@ -10,24 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_plan import MIB, SMALL, TABLE, plan_of
 
-from conftest import REPO
 from fastpt.cli import parse_args
 from fastpt.config import resolve
 from fastpt.errors import ConfigError
 from fastpt.plan import fit, gpus, planner, search
-
-MIB = 2**20
-SMALL = ("--preset", "tiny", "--vocab-size", "512", "--micro-batch", "4", "--seq-len", "64")
-TABLE = REPO / "tests" / "planned_peaks.json"
-
-
-def plan_of(*flags: str) -> planner.Plan:
-    """The plan fastpt.train --plan makes of these flags (for CUDA unless --device cpu)."""
-    cli, config_file = parse_args(list(flags))
-    cfg, target = planner.planned_config(cli, config_file)
-    return planner.trace(cfg, target, cfg.plan_world_size)
-
 
 # ---- --micro-batch auto
 
