@@ -96,6 +96,11 @@ class TrainConfig:
         "with --resume: stop (exit 2) rather than start over when --out holds no checkpoint (for scripts); "
         "--resume=require is both flags",
     )
+    run_id: str = setting(
+        "",
+        "this run's id, kept in config.toml and in each checkpoint: --resume takes no checkpoint of another "
+        "run. A new run makes its own; give it with --resume only to adopt another run's checkpoints",
+    )
     threads: int = setting(
         0,
         "CPU threads for torch's operators, at most the cores this process may use (more are capped, saying so); "
