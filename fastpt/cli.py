@@ -97,12 +97,16 @@ def run_config(out: Path) -> dict[str, Any]:
             toml = load_toml(str(path))
         except ConfigError as e:
             whole, error = f"is unreadable ({e})", e
-    # Only this run's checkpoints fill in: another run's, copied in, would make this run its model.
+    # Only this run's checkpoints fill in: another run's, copied in, would make this run its model. A
+    # config.toml with a run id was written whole up to it: a shape key it leaves out is the preset's.
     run_id = toml.get("run_id", "") if toml else None
     saved = {
         k: v
         for k, v in saved_config(out, "train_config", run_id).items()
-        if k in FIELDS and k not in NOT_RESUMED and v is not None  # to_toml leaves out None (a preset's shape)
+        if k in FIELDS
+        and k not in NOT_RESUMED
+        and v is not None  # to_toml leaves out None (a preset's shape)
+        and not (run_id and FIELDS[k].default is None)
     }
     if error and not saved:
         raise error

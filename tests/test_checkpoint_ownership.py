@@ -5,15 +5,14 @@ run folder without a run id still resumes, and nothing named like a checkpoint t
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import stat
 from pathlib import Path
 
 import pytest
 import torch
+from test_run_folder_states import no_wait_on_fifos
 
 from conftest import assert_one_line_error, read_metrics, run_main, run_quietly, tiny_args
 from fastpt import checkpoint, checkpointer, sample, train
@@ -120,7 +119,7 @@ def test_an_old_run_folder_without_a_run_id_resumes_and_stays_without_one(runs, 
     code, out, err = run_main(train.main, run_args(tiny_data, run_dir, "--resume", steps=6), capsys)
     assert code == 0 and f"resumed from {run_dir / 'ckpt_00000004.pt'}" in out, err
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, 7))
-    assert "\nrun_id = \"\"\n" in toml.read_text()  # none, as before
+    assert '\nrun_id = ""\n' in toml.read_text()  # none, as before
     assert checkpoint.run_id_of(torch.load(checkpoint.latest(run_dir), weights_only=True)) == ""
 
 
@@ -132,36 +131,18 @@ def test_a_new_run_records_its_id_in_config_toml_and_every_checkpoint(runs):
     assert run_id not in other and "run_id" in other
 
 
-@contextlib.contextmanager
-def alarm(seconds: int):
-    def hung(signum, frame):
-        raise TimeoutError("waited on the FIFO")
-
-    previous = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-SAMPLE = ["--device", "cpu", "--max-new-tokens", "2"]
-
-
 def test_a_fifo_named_like_the_newest_checkpoint_is_never_opened(runs, tiny_data, tmp_path, capsys):
     run_dir = tmp_path / "a"
     shutil.copytree(runs["a"], run_dir)
     fifo = run_dir / "ckpt_00000008.pt"
     os.mkfifo(fifo)
-    with alarm(120):
+    with no_wait_on_fifos(run_dir, 60):
         code, out, err = run_main(train.main, run_args(tiny_data, run_dir, "--resume", steps=6), capsys)
         assert code == 0 and f"resumed from {run_dir / 'ckpt_00000004.pt'}" in out, err
-        code, _, err = run_main(
-            sample.main, ["--ckpt", str(run_dir), "--device", "cpu", "--max-new-tokens", "2"], capsys
-        )
+        sample_args = ["--device", "cpu", "--max-new-tokens", "2", "--ckpt"]
+        code, _, err = run_main(sample.main, [*sample_args, str(run_dir)], capsys)
         assert code == 0, err
-        code, _, err = run_main(sample.main, ["--ckpt", str(fifo), "--device", "cpu", "--max-new-tokens", "2"], capsys)
+        code, _, err = run_main(sample.main, [*sample_args, str(fifo)], capsys)
         assert_one_line_error(code, err, str(fifo), "a FIFO")
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert names(run_dir) == ["ckpt_00000002.pt", "ckpt_00000004.pt", "ckpt_00000006.pt", "ckpt_00000008.pt"]
