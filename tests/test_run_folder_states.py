@@ -89,9 +89,12 @@ def _refusing_unreadable(real):
     """files.open_regular as a user other than root gets it: a file of mode 000 is refused."""
 
     def opener(path):
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_mode & 0o444 == 0:
-                raise PermissionError(13, "Permission denied", str(path))
+        try:
+            unreadable = os.stat(path).st_mode & 0o444 == 0
+        except OSError:  # real() says why
+            unreadable = False
+        if unreadable:
+            raise PermissionError(13, "Permission denied", str(path))
         return real(path)
 
     return opener
