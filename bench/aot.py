@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.library import CustomOpDef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import git_commit, markdown_table
+from bench.common import check_outputs, git_commit, markdown_table
 from fastpt import selfcheck
 from fastpt.cli import parse_args
 from fastpt.config import DTYPES, TrainConfig
@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="only cases whose name contains this")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args(argv)
+    check_outputs(ap, args, "markdown")
     results = {}
     for name, (call, _) in cases().items():
         if args.cases in name:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import os
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from fastpt.errors import ConfigError
+from fastpt.files import check_output
 from fastpt.metrics import device_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,3 +130,14 @@ def fmt(value, spec: str = ".3g") -> str:
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def check_outputs(ap: argparse.ArgumentParser, args: argparse.Namespace, *flags: str) -> None:
+    """Refuse, before any benchmark runs, an output file (--json, --markdown) that writing would cost the
+    user something (files.check_output): a folder, a training run's own file, a read-only file."""
+    for flag in flags:
+        if path := getattr(args, flag):
+            try:
+                check_output(path, f"--{flag}")
+            except ConfigError as e:
+                ap.error(str(e))

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.common import env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, sync
+from bench.common import check_outputs, env_info, fmt, kernel_rows_note, markdown_table, matmul_tflops, sync
 from fastpt.files import write_output
 from fastpt.hf import write_json
 from fastpt.kernels import api as kernels
@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write every row (and the table) here")
     ap.add_argument("--markdown", help="write the table here")
     args = ap.parse_args(argv)
+    check_outputs(ap, args, "json", "markdown")
     if args.device == "cuda" and not cuda:
         ap.error("--device cuda but torch sees no CUDA device")
     device = torch.device(args.device)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from bench import baseline
-from bench.common import REPO, cuda_context_gib, env_info, matmul_tflops, rss_gib, sync
+from bench.common import REPO, check_outputs, cuda_context_gib, env_info, matmul_tflops, rss_gib, sync
 from bench.train_step_report import add_mfu, losses_agree, markdown
 from fastpt import float8, settings
 from fastpt.config import CUDA_GRAPH_MODES, DTYPES, PRESETS, TrainConfig
@@ -402,6 +402,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gpu = args.device == "cuda"
     if gpu and not cuda:
         ap.error("--device cuda but torch sees no CUDA device")
+    check_outputs(ap, args, "json", "markdown")
     args.preset = args.preset or ("0.04b" if gpu else "tiny")
     args.steps = args.steps or (20 if gpu else 10)
     args.dtype = args.dtype or ("bf16" if gpu else "fp32")

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fastpt import integrity
+from fastpt import files, integrity
 from fastpt.errors import CheckpointError, DamagedCheckpoint, FastptError
 from fastpt.model import Transformer
 from fastpt.presets import ModelConfig
@@ -75,11 +75,13 @@ REQUIRED_KEYS = ("model_config", "train_state")  # what tells a fastpt checkpoin
 
 
 def checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints (renamed into place), oldest first."""
+    """Complete checkpoints (renamed into place), oldest first: the files and folders (a link's target
+    counts) named as one. Anything else of such a name (a FIFO, a device, a link to nothing) is none:
+    never opened, so no read waits on it."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    return sorted(p for p in run_dir.iterdir() if NAME.match(p.name))
+    return sorted(p for p in run_dir.iterdir() if NAME.match(p.name) and not files.special(p))
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -206,6 +208,9 @@ def load(path: str | Path, map_location: str | torch.device = "cpu", *, deferred
     time by `apply` as it copies each into its live tensor, so the checkpoint is never held whole."""
     path = Path(path)
     file = path / STATE_FILE if path.is_dir() else path
+    for entry in (path, file):  # torch.load would wait on a FIFO for a writer that never comes
+        if kind := files.special(entry):
+            raise CheckpointError(f"could not read checkpoint {entry}: it is {kind}, not a checkpoint")
     try:
         verified = integrity.verify(path, STATE_FILE)  # damaged bytes: DamagedCheckpoint, before torch reads any
     except OSError as e:
@@ -434,16 +439,32 @@ def step_of(ckpt: dict) -> int:
     return ckpt["train_state"]["step"]
 
 
-def saved_config(run_dir: str | Path, key: str) -> dict:
-    """`key` ('train_config', 'model_config') of the run folder's newest checkpoint that reads, {}
-    without one: what a resume continues, whatever became of config.toml or the --init-from folder.
-    Only the pickle is read (its tensors stay mapped, unchecked): restore verifies what it loads."""
+def header(path: Path) -> dict | None:
+    """A checkpoint's plain values (its configs, the loop's state) from its pickle alone, every tensor a
+    placeholder none of whose bytes are read; None when it cannot tell: not a regular file (or a
+    folder holding one), refused by the OS, damaged, or not a fastpt checkpoint."""
+    file = path / STATE_FILE if path.is_dir() else path
+    try:
+        with files.open_regular(file) as f, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(f, map_location="meta", weights_only=True)
+    except Exception:  # damaged or refused: restore says which when it gets there
+        return None
+    return ckpt if isinstance(ckpt, dict) and all(isinstance(ckpt.get(k), dict) for k in REQUIRED_KEYS) else None
+
+
+def run_id_of(ckpt: dict) -> str:
+    """The id of the run that wrote a checkpoint (config.toml's run_id); '' for one written before runs had one."""
+    return ckpt.get("train_config", {}).get("run_id") or ""
+
+
+def saved_config(run_dir: str | Path, key: str, run_id: str | None = None) -> dict:
+    """`key` ('train_config', 'model_config') of the run folder's newest checkpoint that reads (of run
+    `run_id` when given), {} without one: what a resume continues, whatever became of config.toml or
+    the --init-from folder. restore verifies what it loads."""
     for path in reversed(checkpoints(run_dir)):
-        try:
-            ckpt = torch.load(path / STATE_FILE if path.is_dir() else path, weights_only=True, mmap=True)
-        except Exception:  # a damaged one: restore skips it too, and says why
-            continue
-        if isinstance(ckpt, dict) and isinstance(ckpt.get(key), dict):
+        ckpt = header(path)
+        if ckpt and isinstance(ckpt.get(key), dict) and run_id in (None, run_id_of(ckpt)):
             return ckpt[key]
     return {}
 

@@ -12,6 +12,7 @@ Every write carries its checksums (integrity.py), in the same atomic write as th
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import sys
 from collections.abc import Callable
@@ -32,10 +33,12 @@ from fastpt.checkpoint import (
     Stateful,
     apply,
     checkpoints,
+    header,
     latest,
     restore,
+    run_id_of,
 )
-from fastpt.errors import CheckpointError, ConfigError
+from fastpt.errors import CheckpointError, ConfigError, DamagedCheckpoint
 from fastpt.files import os_reason, publish, remove, write_atomic
 from fastpt.optim import changed_settings, reapply_settings
 from fastpt.presets import ModelConfig
@@ -85,8 +88,69 @@ class RNGState:
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """What tells this run's checkpoints from anything else named like one: the run's id (config.toml's
+    run_id, '' for a run begun before runs had one) and its model config (None: not checked)."""
+
+    run_id: str
+    model: dict | None
+
+    @classmethod
+    def of(cls, state: dict) -> Owner:
+        """The owner of the checkpoint `state` is about to be written as."""
+        return cls(run_id_of(state), state.get("model_config"))
+
+    def disowns(self, path: Path) -> str:
+        """Why `path`, named like a checkpoint, is not this run's to replace or delete ('' when it is):
+        a link (the user's, whatever it points to), a FIFO or device, what does not read as a fastpt
+        checkpoint, or one of another run or model."""
+        if path.is_symlink():
+            return "a link"
+        if kind := files.special(path):
+            return kind
+        if (ckpt := header(path)) is None:
+            return "not a checkpoint that reads"
+        if (run_id := run_id_of(ckpt)) != self.run_id:
+            return f"a checkpoint of another run (run id {run_id or 'none'}, this run's {self.run_id or 'none'})"
+        try:
+            diff = model_mismatch(ckpt["model_config"], self.model) if self.model is not None else ""
+        except Exception as e:  # a model config this code cannot read
+            diff = f"its model config does not read: {e}"
+        return f"a checkpoint of another model ({diff})" if diff else ""
+
+
+# A checkpoint's signature (its files' inodes, sizes and times) -> whether its bytes matched their
+# checksums: each is read once per process, and any write to it since (damage) makes a new signature.
+_verified: dict[tuple, bool] = {}
+
+
+def _signature(path: Path) -> tuple:
+    parts = sorted(path.iterdir()) if path.is_dir() else [path]
+    stats = [(p.name, p.stat()) for p in parts]
+    return (str(path), *((name, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for name, s in stats))
+
+
+def is_good(path: Path) -> bool | None:
+    """Whether a checkpoint's bytes are whole (one without checksums counts as whole); None when the
+    OS will not let us read it, which proves nothing."""
+    try:
+        key = _signature(path)
+        if key not in _verified:
+            try:
+                integrity.verify(path, STATE_FILE)
+                _verified[key] = True
+            except DamagedCheckpoint:
+                _verified[key] = False
+        return _verified[key]
+    except OSError:
+        return None
+
+
 def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bool = True) -> Path | None:
-    """Write checkpoint `step` atomically, point `latest` at it, delete all but the newest `keep`.
+    """Write checkpoint `step` atomically, point `latest` at it, delete this run's older checkpoints
+    but the newest `keep` whole ones (counting this one). Anything of that name that is not this
+    run's (Owner) is never replaced: CheckpointError.
 
     Sharded state (FSDP DTensors) is a DCP directory written by every rank; full state one file
     written by the main rank. Returns the path on the main rank, None elsewhere."""
@@ -96,7 +160,9 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
     run_dir = Path(run_dir)
     sharded = any(isinstance(v, DTensor) for v in state["model"].values())
     path = run_dir / (f"ckpt_{step:08d}" if sharded else f"ckpt_{step:08d}.pt")
-    previous = latest(run_dir)
+    previous, owner = latest(run_dir), Owner.of(state)
+    if os.path.lexists(path) and (why := owner.disowns(path)):  # every rank sees the same: all stop here
+        raise CheckpointError(f"did not write checkpoint {path}: one of that name is there, {why}; left as it is")
     try:
         if sharded:
             _write_sharded(path, state, is_main)
@@ -109,7 +175,8 @@ def save(run_dir: str | Path, step: int, state: dict, keep: int = 3, is_main: bo
     except (OSError, RuntimeError, CheckpointException) as e:  # torch.save reports a failed write as RuntimeError
         kept = f"{previous.name} is intact" if previous else "there is no earlier checkpoint"
         raise CheckpointError(f"could not write checkpoint {path}: {os_reason(e)}; {kept}") from None
-    _clean(run_dir, keep, path)
+    _verified[_signature(path)] = True  # just written whole: the next prune need not read it again
+    _clean(run_dir, keep, path, owner)
     return path
 
 
@@ -141,15 +208,26 @@ def recover(run_dir: Path) -> None:
             files.recover(old.with_name(name))
 
 
-def _clean(run_dir: Path, keep: int, saved: Path) -> None:
-    """Delete all but the newest `keep` checkpoints up to the one just `saved`, which stays whatever
-    else the folder holds (one newer than it is not this run's to count), and temporaries of writers
-    killed mid-save (a checkpoint left aside is put back first)."""
+def _clean(run_dir: Path, keep: int, saved: Path, owner: Owner) -> None:
+    """Keep the newest `keep` whole checkpoints of this run up to the one just `saved` and delete its
+    others older than that one (a newer one is not this run's to count), and temporaries of writers
+    killed mid-save (a checkpoint left aside is put back first). Nothing that is not this run's
+    (Owner.disowns) is counted or deleted, nor a checkpoint the OS will not let us read."""
     recover(run_dir)
-    stale = [".ckpt_*.tmp*", ".ckpt_*.partial", ".ckpt_*.old", ".latest.tmp*"]
-    older = [p for p in checkpoints(run_dir) if p.name < saved.name]
-    for path in [*older[: len(older) - (keep - 1)], *(p for pattern in stale for p in run_dir.glob(pattern))]:
-        remove(path)
+    kept = 1  # the one just saved
+    for path in reversed(checkpoints(run_dir)):
+        if path.name >= saved.name or owner.disowns(path):
+            continue
+        whole = is_good(path) if kept < keep else False  # past `keep`: deleted without reading it
+        if whole is None:
+            continue
+        if whole:
+            kept += 1
+        else:
+            remove(path)
+    for pattern in (".ckpt_*.tmp*", ".ckpt_*.partial", ".ckpt_*.old", ".latest.tmp*"):
+        for path in run_dir.glob(pattern):
+            remove(path)
 
 
 class Checkpointer:
@@ -199,8 +277,11 @@ def set_aside(path: Path) -> str:
     would stay the newest, the one `latest` and sample name. Says what was done (a folder the OS
     will not let us rename keeps it, and pruning still never counts it: `_clean`)."""
     aside = path.with_name(path.name + DAMAGED)
+    for n in range(2, 1000):  # one set aside by an earlier resume of the same step stays too
+        if not os.path.lexists(aside):
+            break
+        aside = path.with_name(f"{path.name}{DAMAGED}.{n}")
     try:
-        remove(aside)  # one set aside by an earlier resume of the same step
         path.rename(aside)
     except OSError as e:
         return f"could not move it aside: {os_reason(e)}"
@@ -235,6 +316,13 @@ def start_or_resume(
 
     def same_model(path: Path, saved: dict) -> None:
         saved_config.update(saved.get("train_config", {}))
+        if (run_id := run_id_of(saved)) != cfg.run_id:
+            raise ConfigError(
+                f"{path} is a checkpoint of another run (run id {run_id or 'none'}; this run's, in "
+                f"{ckpt.run_dir / 'config.toml'}, is {cfg.run_id or 'none'}): nothing was changed; move it out "
+                f"of {ckpt.run_dir} to resume this run"
+                + (f", or add --run-id {run_id} to adopt that run's checkpoints" if run_id else "")
+            )
         recipe = saved_config.get("recipe", "seed")  # when the recipe differs, it is what to repeat
         again = f"--recipe {recipe} (this run says --recipe {cfg.recipe})" if recipe != cfg.recipe else ""
         if diff := model_mismatch(saved["model_config"], ckpt.meta["model_config"]):
@@ -263,7 +351,7 @@ def start_or_resume(
 
 def model_mismatch(saved: dict, current: dict) -> str:
     """The architecture fields a checkpoint's model config disagrees on ('dim 512 != 128')."""
-    saved = dataclasses.asdict(ModelConfig.from_dict(saved))
+    saved, current = (dataclasses.asdict(ModelConfig.from_dict(c)) for c in (saved, current))
     return ", ".join(f"{k} {v} != {current[k]}" for k, v in saved.items() if current[k] != v)
 
 

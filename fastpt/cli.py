@@ -91,19 +91,25 @@ def run_config(out: Path) -> dict[str, Any]:
     that does not parse) taken from the newest checkpoint's train_config, and said, in this fastpt's
     terms (presets.upgraded_run); {} for a folder with neither."""
     path = out / "config.toml"
-    saved = {
-        k: v
-        for k, v in saved_config(out, "train_config").items()
-        if k in FIELDS and k not in NOT_RESUMED and v is not None  # to_toml leaves out None (a preset's shape)
-    }
-    toml, whole = {}, "is missing"
+    toml, whole, error = {}, "is missing", None
     if path.is_file():
         try:
             toml = load_toml(str(path))
         except ConfigError as e:
-            if not saved:
-                raise
-            whole = f"is unreadable ({e})"
+            whole, error = f"is unreadable ({e})", e
+    # Only this run's checkpoints fill in: another run's, copied in, would make this run its model. A
+    # config.toml with a run id was written whole up to it: a shape key it leaves out is the preset's.
+    run_id = toml.get("run_id", "") if toml else None
+    saved = {
+        k: v
+        for k, v in saved_config(out, "train_config", run_id).items()
+        if k in FIELDS
+        and k not in NOT_RESUMED
+        and v is not None  # to_toml leaves out None (a preset's shape)
+        and not (run_id and FIELDS[k].default is None)
+    }
+    if error and not saved:
+        raise error
     if lost := [k for k in saved if k not in toml]:
         what = f"lacks {', '.join(lost)}" if toml else whole
         print(f"fastpt: warning: {path} {what}: the checkpoint's values apply", file=sys.stderr, flush=True)

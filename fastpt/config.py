@@ -104,6 +104,11 @@ class TrainConfig:
         "--resume, but when --out holds no checkpoint start the run there whatever its name: no typo check, "
         "no guess (for scripts and sweeps)",
     )
+    run_id: str = setting(
+        "",
+        "this run's id, kept in config.toml and in each checkpoint: --resume takes no checkpoint of another "
+        "run. A new run makes its own; give it with --resume only to adopt another run's checkpoints",
+    )
     threads: int = setting(
         0,
         "CPU threads for torch's operators, at most the cores this process may use (more are capped, saying so); "

@@ -41,18 +41,52 @@ def os_reason(e: BaseException) -> str:
     return str(e)
 
 
-def write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Call write(file) on a temp name, fsync, rename over path: readers see old or new, never half."""
-    write_atomic_all({path: write})
+KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}
 
 
-def write_atomic_all(writes: dict[Path, Callable[[IO[bytes]], object]]) -> None:
+def special(path: Path) -> str:
+    """What `path` is when it is neither a regular file nor a folder (through links): 'a FIFO', 'a
+    device', 'a socket', 'a link to nothing'; '' for a file, a folder or nothing there."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing" if os.path.islink(path) else ""
+    except OSError as e:  # a loop of links, a folder on the way that is a file
+        return f"a path the OS cannot follow ({e.strerror})"
+    return "" if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else KINDS.get(stat.S_IFMT(mode), "no regular file")
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """open(path, "rb") of a regular file only: a FIFO (which would wait for a writer), a device or a
+    folder is refused with an OSError naming what it is, without waiting."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once this way, and is then refused
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else KINDS.get(stat.S_IFMT(mode), "no regular file")
+            raise OSError(errno.EINVAL, f"it is {what}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def write_atomic(path: Path, write: Callable[[IO[bytes]], object], mode: int | None = None) -> None:
+    """Call write(file) on a temp name, fsync, rename over path: readers see old or new, never half.
+    `mode`: the permissions the file gets (the umask's default when None)."""
+    write_atomic_all({path: write}, mode)
+
+
+def write_atomic_all(writes: dict[Path, Callable[[IO[bytes]], object]], mode: int | None = None) -> None:
     """write_atomic for several files at once: each `write(file)` goes to its temp name and is fsynced
     before any is renamed into place, so a write the OS refuses (a full disk, `ulimit -f`) replaces none."""
     tmps = {path: path.with_name(f".{path.name}.tmp{os.getpid()}") for path in writes}
     try:
         for path, write in writes.items():
             with open(tmps[path], "wb") as f:
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode)
                 write(f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -66,28 +100,85 @@ def write_atomic_all(writes: dict[Path, Callable[[IO[bytes]], object]]) -> None:
         raise
 
 
-def write_output(path: str | Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write a file a user named (--plan-json, fastpt.plot --out, bench's --json): a regular file, or
-    none yet, is replaced atomically (write_atomic; through a symlink, its target, so the link stays);
-    anything else is written in place, never renamed over: this process's stdout or stderr
+# A training run's own files (fastpt.train's --out; checkpoint.NAME is a checkpoint's exact name):
+# no output a user names may replace one.
+RUN_FILES = ("config.toml", "metrics.jsonl", "tokenizer.json", "latest", ".lock", "ckpt_*", ".ckpt_*")
+
+
+def run_file(path: Path) -> Path | None:
+    """The run folder `path` (or the file a link there leads to) is one of the own files of, else None."""
+    for file in dict.fromkeys((Path(os.path.abspath(path)), real(path))):
+        folder = file.parent
+        if re.fullmatch(r"ckpt_\d{8}(\.pt)?", folder.name):  # inside a sharded checkpoint
+            return folder.parent
+        with contextlib.suppress(OSError):
+            names = os.listdir(folder)
+            is_run = "config.toml" in names or "metrics.jsonl" in names or any(n.startswith("ckpt_") for n in names)
+            if is_run and any(fnmatch.fnmatch(file.name, pattern) for pattern in RUN_FILES):
+                return folder
+    return None
+
+
+def check_output(path: str | Path, flag: str) -> None:
+    """Refuse, before any work, an output file the user named (`flag`) that writing would cost them
+    something: a folder, one of a training run's own files, a read-only file (a user's word that it
+    stays as it is; root could replace it, no other user could)."""
+    path = Path(path)
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        found = None
+    except OSError as e:  # a loop of links, a file where a folder should be
+        raise ConfigError(f"{flag} {path}: cannot write it ({os_reason(e)})") from None
+    if found is not None and stat.S_ISDIR(found.st_mode):
+        raise ConfigError(f"{flag} {path} is a folder: name a file")
+    if (run := run_file(path)) is not None:
+        raise ConfigError(f"{flag} {path} is one of the files of the training run {run}: name another file")
+    if found is not None and stat.S_ISREG(found.st_mode) and not found.st_mode & 0o222 and not _stream(found):
+        raise ConfigError(
+            f"{flag} {path} is read-only (mode {stat.S_IMODE(found.st_mode):o}): not replaced; "
+            "make it writable or name another file"
+        )
+
+
+def write_output(path: str | Path, write: Callable[[IO[bytes]], object], flag: str = "output") -> None:
+    """Write a file a user named (--plan-json, fastpt.plot --out, bench's --json), refused first as
+    check_output says (the command checks it before its work): a regular file, or none yet, is replaced
+    atomically, keeping its permissions (write_atomic; through a symlink, its target, so the link
+    stays); anything else is written in place, never renamed over: this process's stdout or stderr
     (/dev/stdout, /proc/self/fd/2: through its own descriptor, so `>> log` appends) as they are, a
-    device or a FIFO (/dev/null) opened and written as a shell's `>` would. A folder: IsADirectoryError."""
+    device or a FIFO (/dev/null) opened and written as a shell's `>` would (a FIFO with no reader yet:
+    said on stderr, then waited for, as a shell waits)."""
+    check_output(path, flag)
     try:
         found = os.stat(path)  # through symlinks
     except FileNotFoundError:  # nothing there, or a link to nothing: made, at the link's target
         found = None
     if found is None or (stat.S_ISREG(found.st_mode) and not _stream(found)):
-        write_atomic(real(Path(path)), write)
-    elif stat.S_ISDIR(found.st_mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        write_atomic(real(Path(path)), write, stat.S_IMODE(found.st_mode) if found else None)
     elif fd := _stream(found):
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # what this process printed before comes first
         with os.fdopen(os.dup(fd), "wb") as f:
             write(f)
     else:
-        with open(path, "wb") as f:
+        with os.fdopen(_open_for_writing(Path(path), found), "wb") as f:
             write(f)
+
+
+def _open_for_writing(path: Path, found: os.stat_result) -> int:
+    """A descriptor writing into the device or FIFO `path`; a FIFO nobody reads yet is said, then waited on."""
+    if not stat.S_ISFIFO(found.st_mode):
+        return os.open(path, os.O_WRONLY)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: no reader
+    except OSError as e:
+        if e.errno != errno.ENXIO:
+            raise
+        print(f"fastpt: {path} is a FIFO that nothing reads yet: waiting for a reader", file=sys.stderr, flush=True)
+        return os.open(path, os.O_WRONLY)
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _stream(found: os.stat_result) -> int:

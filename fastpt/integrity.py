@@ -16,6 +16,7 @@ damage, not forgery: crafted files are refused by the loader (checkpoint.py) ins
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import zlib
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 from fastpt.errors import DamagedCheckpoint
-from fastpt.files import write_atomic
+from fastpt.files import open_regular, write_atomic
 
 TAG = b"fastpt crc32 "
 TRAILER = len(TAG) + 8  # the zip comment: TAG and eight hex digits
@@ -77,7 +78,7 @@ def write_zip(f: IO[bytes], save: Callable[[IO[bytes]], object]) -> None:
 def crc_of(path: Path, size: int) -> int:
     """The CRC-32 of the first `size` bytes of `path`, read in chunks."""
     crc, buffer = 0, bytearray(CHUNK)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # never a FIFO: it would wait for a writer
         while size > 0:
             n = f.readinto(memoryview(buffer)[: min(CHUNK, size)])
             if not n:
@@ -92,8 +93,8 @@ def stored_crc(path: Path) -> int | None:
     comment's bytes, which damage can hit: a file without a checksum ends with a zip end record that
     declares no comment (as torch.save writes it), or is no zip at all. Any other end raises: a comment
     that is damaged or cut short, or an end record that no longer declares it."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         f.seek(max(0, size - END_RECORD - TRAILER))
         tail = f.read()
     without = tail[-END_RECORD:]
@@ -135,7 +136,8 @@ def write_manifest(folder: Path) -> None:
 def read_manifest(folder: Path) -> dict[str, tuple[int, int]]:
     """name -> (crc, size) from a folder's MANIFEST; a damaged one raises, naming the line."""
     manifest, entries = folder / MANIFEST, {}
-    text = manifest.read_bytes().decode("utf-8", "replace")
+    with open_regular(manifest) as f:
+        text = f.read().decode("utf-8", "replace")
     for number, line in enumerate(text.splitlines(keepends=True), 1):
         match = re.fullmatch(r"([0-9a-f]{8}) (\d+) ([^/\s]+)\n", line)
         if not match or match.group(3) in entries:

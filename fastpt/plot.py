@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from fastpt.errors import ArgumentParser, DataError, DiskError, require, run_command
-from fastpt.files import os_reason, write_output
+from fastpt.files import check_output, os_reason, write_output
 
 NUMBER = (int, float)
 TRAIN_FIELDS, VAL_FIELDS = ("loss", "tokens", "lr", "tok_s"), ("val_loss",)
@@ -69,6 +69,8 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
+    out = Path(out) if out else run_dir / "loss.png"
+    check_output(out, "--out")  # before any work: a folder, the run's own metrics.jsonl, a read-only file
     train, val, skipped = read_metrics(run_dir)
     if skipped:
         print(
@@ -97,9 +99,8 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(str(run_dir))
-    out = Path(out) if out else run_dir / "loss.png"
     try:
-        write_output(out, lambda f: fig.savefig(f, format="png", dpi=120))
+        write_output(out, lambda f: fig.savefig(f, format="png", dpi=120), "--out")
     except BrokenPipeError:  # `--out /dev/stdout | head`: the reader has what it wanted (run_command)
         raise
     except OSError as e:

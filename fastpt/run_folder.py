@@ -7,6 +7,7 @@ the model traced, and --resume says what it will do. The lock on the folder
 from __future__ import annotations
 
 import difflib
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,13 @@ def _check_out(cfg: TrainConfig, run_dir: Path) -> str:
             "add --resume to start that run over, or choose another --out"
         )
     return ""
+
+
+def this_run_id(cfg: TrainConfig) -> str:
+    """The id this run's checkpoints carry: a --resume of a folder with checkpoints keeps its run's
+    (config.toml's, or --run-id's; '' for a run begun before runs had ids, which then stays without);
+    a new run makes one."""
+    return cfg.run_id if cfg.resume and has_checkpoint(Path(cfg.out)) else uuid.uuid4().hex[:16]
 
 
 def latest_name(run_dir: Path) -> str:

@@ -31,7 +31,7 @@ from fastpt.optim import apply_schedule
 from fastpt.plan import fit
 from fastpt.plan.planner import planned_model
 from fastpt.profiling import StepProbe
-from fastpt.run_folder import check_out
+from fastpt.run_folder import check_out, this_run_id
 from fastpt.selfcheck import Backend, kernel_backend
 from fastpt.step import Net, TrainState, accum_at, build_model, train_step
 
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     check_runtime(cfg)
     check_out_of_data(cfg.out, cfg.data)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
+    cfg = dataclasses.replace(cfg, run_id=this_run_id(cfg))
     capped = distributed.threads_capped(cfg.threads)
     cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))
     torch.set_num_threads(cfg.threads)

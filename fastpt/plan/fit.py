@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fastpt.config import AUTO, TrainConfig, configured_micro_batch, load_toml
 from fastpt.errors import ConfigError
-from fastpt.files import os_reason, write_output
+from fastpt.files import check_output, os_reason, write_output
 from fastpt.kernels import scratch
 from fastpt.plan.gpus import Card, card, machine_card
 from fastpt.plan.planner import (
@@ -205,6 +205,8 @@ def main(cli: dict, config_file: str | None) -> int:
         raise ConfigError(
             f"'plan_json' = {cfg.plan_json!r}: no folder {str(Path(cfg.plan_json).parent)!r} to write it in"
         )
+    if cfg.plan_json:
+        check_output(cfg.plan_json, "--plan-json")
     gpu = card(cfg.plan_gpu) if target == "cuda" else machine_card()
     why = ""
     with progress.running():
@@ -221,7 +223,7 @@ def main(cli: dict, config_file: str | None) -> int:
     if cfg.plan_json:
         text = json.dumps(to_json(plan) | ({"chosen": why} if why else {}), indent=2) + "\n"
         try:
-            write_output(cfg.plan_json, lambda f: f.write(text.encode()))
+            write_output(cfg.plan_json, lambda f: f.write(text.encode()), "--plan-json")
         except BrokenPipeError:  # `--plan-json /dev/stdout | head`: the reader has what it wanted (run_command)
             raise
         except OSError as e:
