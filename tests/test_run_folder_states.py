@@ -7,7 +7,7 @@ tiny model), and checks after every step that
 - nothing else of the user's in the folder or outside it is deleted or replaced (a file that reads
   as damage may be moved aside, whole, as NAME.damaged);
 - a checkpoint of another model or another run is never resumed as this run;
-- no step waits on a FIFO (each runs under an alarm: a hang fails the test).
+- no step waits on a FIFO (a watchdog opens a FIFO a step waits on: the test fails, never hangs).
 
 Budget: FASTPT_STATE_EXAMPLES examples (default 20, the same sequences every run: 6-8 s on this
 project's 2-core machine at load 0.5-3) of up to FASTPT_STATE_STEPS steps (default 14); set either
