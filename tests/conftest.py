@@ -273,3 +273,15 @@ def run_command_line(module: str, *args: str, fsize: int = 0) -> subprocess.Comp
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Preparing the data or planning the batch fails the test: a refusal must come before them."""
+    from fastpt import train
+
+    def work(*args, **kwargs):
+        raise AssertionError("work started before the refusal")
+
+    monkeypatch.setattr(train, "build_data", work)
+    monkeypatch.setattr(train.fit, "auto_micro_batch", work)

@@ -31,17 +31,6 @@ def runs(finished, tmp_path) -> Path:
     return tmp_path / "runs"
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Preparing the data or planning the batch fails the test: a refusal must come before them."""
-
-    def work(*args, **kwargs):
-        raise AssertionError("work started before the refusal")
-
-    monkeypatch.setattr(train, "build_data", work)
-    monkeypatch.setattr(train.fit, "auto_micro_batch", work)
-
-
 def test_resume_of_a_typo_refuses_naming_the_nearest_run(runs, tiny_data, capsys, no_work):
     """A --resume whose folder is missing and whose name is near a run's is a typo: refused
     (exit 2) before any work, not a new run trained into it."""

@@ -29,17 +29,6 @@ def checked(out: Path, *flags: str) -> str:
     return check_out(resolve(cli, config_file, "cpu", resumed_run(cli, config_file, "cpu")))
 
 
-@pytest.fixture
-def no_work(monkeypatch):
-    """Preparing the data or planning the batch fails the test: a refusal must come before them."""
-
-    def work(*args, **kwargs):
-        raise AssertionError("work started before the refusal")
-
-    monkeypatch.setattr(train, "build_data", work)
-    monkeypatch.setattr(train.fit, "auto_micro_batch", work)
-
-
 @pytest.mark.parametrize(
     "typed, meant",
     [

@@ -392,20 +392,24 @@ def test_kernels_triton_stops_naming_the_kernel(interpreted, monkeypatch, tiny_d
     assert not list((tmp_path / "run").glob("ckpt_*"))
 
 
+def on_two_ranks(fault: str, tiny_data, tmp_path, **env: str) -> subprocess.CompletedProcess:
+    """A 2-step run under torchrun (2 gloo processes, the kernels interpreted) with `fault` on rank 1."""
+    args = [*tiny_args(tiny_data, tmp_path / "run", max_steps=2), "--micro-batch", "2"]
+    return subprocess.run(
+        faults.script_args(fault, 1, *args, nproc=2),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", **env},
+        cwd=REPO,
+    )
+
+
 @pytest.mark.slow
 def test_ranks_agree_and_a_failing_rank_says_why(tiny_data, tmp_path):
     """Under torchrun (2 gloo processes, the kernels interpreted) only rank 1's RMSNorm is wrong: rank 1
     says why, and both ranks train on the reference (rank 0's summary names the fallback and the rank)."""
-    args = [*tiny_args(tiny_data, tmp_path / "run", max_steps=2), "--micro-batch", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        faults.script_args("wrong-kernel-on-rank", 1, *args, nproc=2),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
+    result = on_two_ranks("wrong-kernel-on-rank", tiny_data, tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     warnings = [line for line in result.stderr.splitlines() if "fastpt: warning: " in line and "kernel" in line]
     assert (
@@ -422,17 +426,8 @@ def test_a_probe_that_raises_on_one_rank_falls_back_on_every_rank(tiny_data, tmp
     the reference, within the collective timeout. The exception used to end rank 1 before it shared
     its result: torchrun then stopped the run (a rank on another machine waits for that result until
     the timeout)."""
-    args = [*tiny_args(tiny_data, tmp_path / "run", max_steps=2), "--micro-batch", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "FASTPT_COLLECTIVE_TIMEOUT": "120"}
     started = time.monotonic()
-    result = subprocess.run(
-        faults.script_args("probe-raises", 1, *args, nproc=2),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-    )
+    result = on_two_ranks("probe-raises", tiny_data, tmp_path, FASTPT_COLLECTIVE_TIMEOUT="120")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert time.monotonic() - started < 120  # no rank waited out the collective timeout
     warnings = sorted(line for line in result.stderr.splitlines() if "fastpt: warning: " in line and "kernel" in line)
