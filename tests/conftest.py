@@ -285,3 +285,18 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(train, "build_data", work)
     monkeypatch.setattr(train.fit, "auto_micro_batch", work)
+
+
+def assert_resumes_exactly(data: Path, tmp_path: Path, capsys, flags: tuple[str, ...], at: int) -> Path:
+    """A run with `flags` to its end, then a fresh folder holding only its checkpoint of step `at`,
+    resumed: it logs the records the run logged after `at`. Returns the resumed run's folder."""
+    from fastpt import train
+
+    reference = [*run_args(data, tmp_path / "reference", *flags), "--keep-checkpoints", "3"]
+    assert run_main(train.main, reference, capsys)[0] == 0
+    (tmp_path / "run").mkdir()
+    shutil.copy(tmp_path / "reference" / f"ckpt_{at:08d}.pt", tmp_path / "run")
+    code, out, err = run_main(train.main, [*run_args(data, tmp_path / "run", *flags), "--resume"], capsys)
+    assert code == 0 and f"at step {at}" in out, err
+    assert records(tmp_path / "run") == [r for r in records(tmp_path / "reference") if r["step"] > at]
+    return tmp_path / "run"

@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, records, run_args, run_main, train_refuses
+from conftest import TINY, assert_resumes_exactly, read_metrics, records, run_args, run_main, train_refuses
 from fastpt import checkpoint, train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.model import Transformer
@@ -214,15 +214,7 @@ RECIPE = ("--optimizer", "muon", "--schedule", "wsd", "--decay-fraction", "0.3",
 @pytest.mark.parametrize("at", [4, 8])  # wsd over 10 steps: the peak at step 4, decaying from step 7
 def test_muon_with_wsd_resumes_exactly_from_a_checkpoint(tiny_data, tmp_path, capsys, at):
     """In process: a fresh folder holding only the checkpoint of step `at` continues as the run went on."""
-    import shutil
-
-    reference = [*run_args(tiny_data, tmp_path / "reference", *RECIPE), "--keep-checkpoints", "3"]
-    assert run_main(train.main, reference, capsys)[0] == 0
-    (tmp_path / "run").mkdir()
-    shutil.copy(tmp_path / "reference" / f"ckpt_{at:08d}.pt", tmp_path / "run")
-    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *RECIPE), "--resume"], capsys)
-    assert code == 0 and f"at step {at}" in out, err
-    assert records(tmp_path / "run") == [r for r in records(tmp_path / "reference") if r["step"] > at]
+    assert_resumes_exactly(tiny_data, tmp_path, capsys, RECIPE, at)
 
 
 @pytest.mark.slow

@@ -6,13 +6,12 @@ that resumes exactly, and export's one-line refusal (DDP and FSDP: tests/test_di
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import pytest
 import torch
 
-from conftest import TINY, assert_one_line_error, run_main, train_refuses
-from fastpt import checkpoint, export, hf, train
+from conftest import TINY, assert_one_line_error, assert_resumes_exactly, run_main, train_refuses
+from fastpt import checkpoint, export, hf
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.errors import ConfigError
 from fastpt.model import Transformer
@@ -224,16 +223,8 @@ def test_each_option_is_refused_by_export_with_one_line_naming_it(key):
 
 
 def test_a_run_with_every_option_resumes_exactly_and_refuses_export(tiny_data, tmp_path, capsys):
-    from conftest import records, run_args
-
     flags = (*FLAGS, "--optimizer", "muon", "--adamw-groups", "nanochat")
-    reference = [*run_args(tiny_data, tmp_path / "reference", *flags), "--keep-checkpoints", "3"]
-    assert run_main(train.main, reference, capsys)[0] == 0
-    (tmp_path / "run").mkdir()
-    shutil.copy(tmp_path / "reference" / "ckpt_00000004.pt", tmp_path / "run")
-    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *flags), "--resume"], capsys)
-    assert code == 0 and "at step 4" in out, err
-    assert records(tmp_path / "run") == [r for r in records(tmp_path / "reference") if r["step"] > 4]
+    assert_resumes_exactly(tiny_data, tmp_path, capsys, flags, 4)
     loaded, _ = checkpoint.load_model(checkpoint.latest(tmp_path / "run"), torch.device("cpu"))
     assert {k: getattr(loaded.cfg, k) for k in OPTIONS} == OPTIONS
     code, _, err = run_main(export.main, [str(tmp_path / "run"), "--out", str(tmp_path / "hf")], capsys)

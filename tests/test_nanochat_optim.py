@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run_main, tiny_args, train_refuses
+from conftest import TINY, assert_resumes_exactly, read_metrics, run_main, tiny_args, train_refuses
 from fastpt import train
 from fastpt.config import PRESETS, TrainConfig
 from fastpt.model import Transformer
@@ -201,15 +200,7 @@ NANOCHAT_OPTIM = (
 def test_nanochats_optimizer_resumes_exactly(tiny_data, tmp_path, capsys, at):
     """A fresh folder holding only the checkpoint of step `at` continues as the run went on:
     NorMuon's running mean square is in the checkpoint, the schedules are the step's."""
-    from conftest import records, run_args
-
-    reference = [*run_args(tiny_data, tmp_path / "reference", *NANOCHAT_OPTIM), "--keep-checkpoints", "3"]
-    assert run_main(train.main, reference, capsys)[0] == 0
-    (tmp_path / "run").mkdir()
-    shutil.copy(tmp_path / "reference" / f"ckpt_{at:08d}.pt", tmp_path / "run")
-    code, out, err = run_main(train.main, [*run_args(tiny_data, tmp_path / "run", *NANOCHAT_OPTIM), "--resume"], capsys)
-    assert code == 0 and f"at step {at}" in out, err
-    assert records(tmp_path / "run") == [r for r in records(tmp_path / "reference") if r["step"] > at]
+    assert_resumes_exactly(tiny_data, tmp_path, capsys, NANOCHAT_OPTIM, at)
 
 
 @pytest.mark.parametrize(
