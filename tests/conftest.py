@@ -41,7 +41,8 @@ def update_table(table: Path, name: str, **values: object) -> None:
     with open(table.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries = json.loads(table.read_text())
-        entries["plans"][name].update(values)
+        plans = entries.get("plans") or {row["name"]: row for row in entries["runs"]}  # a table of plans, or of runs
+        plans[name].update(values)
         table.write_text(json.dumps(entries, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -55,11 +56,16 @@ def table_entries(table: Path) -> list:
 
 
 @pytest.fixture(autouse=True)
-def fresh_plans():
-    """Each test plans afresh: the planner keeps a process's recent traces (a search never traces a
-    configuration twice), which a test that patches the planner must not be handed."""
+def fresh_plans(request):
+    """The planner keeps a process's recent traces (a search never traces a configuration twice):
+    tests share them, as a trace costs seconds, but a test that patches (monkeypatch) is handed none
+    and leaves none behind."""
+    patches = "monkeypatch" in request.fixturenames
+    planner = sys.modules.get("fastpt.plan.planner")
+    if patches and planner:
+        planner.TRACED.clear()
     yield
-    if planner := sys.modules.get("fastpt.plan.planner"):
+    if patches and (planner := sys.modules.get("fastpt.plan.planner")):
         planner.TRACED.clear()
 
 
@@ -118,6 +124,14 @@ def run_train(*args: str, timeout: float = 300, env: dict | None = None, nproc: 
         env=full_env,
         cwd=REPO,
     )
+
+
+def failure_of(result: subprocess.CompletedProcess) -> str:
+    """A failed launch's output for an assertion message: the tail of stdout and of stderr up to
+    torchrun's own traceback, which would otherwise push the rank's error out of a fixed tail."""
+    err, launcher = result.stderr, result.stderr.find("torch/distributed/run.py")
+    cut = err.rfind("Traceback (most recent call last):", 0, launcher) if launcher >= 0 else -1
+    return result.stdout[-2000:] + "\n--- stderr ---\n" + (err[:cut] if cut >= 0 else err)[-6000:]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

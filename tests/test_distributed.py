@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY, made_once, run_quietly
+from conftest import REPO, TINY, failure_of, made_once, run_quietly
 from fastpt import checkpoint, train
 from torchrun_cases import launch
 
@@ -228,7 +228,7 @@ def test_muon_steps_bit_identically_over_two_ranks_under_ddp_and_fsdp(tmp_path):
     proc = subprocess.run(
         [*torchrun, str(script), "one,ddp,fsdp", str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_of(proc)
     want = torch.load(tmp_path / "one.0")
     for name in ("one.1", "ddp.0", "ddp.1", "fsdp.0", "fsdp.1"):
         got = torch.load(tmp_path / name)
@@ -328,7 +328,7 @@ def test_a_rank_killed_under_torchrun_is_named_and_the_restart_resumes_exactly(
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FASTPT_COLLECTIVE_TIMEOUT": "60"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, failure_of(result)
     if fault == "kill-at-step":  # the survivor's collective fails: one line naming the dead rank
         said = [line for line in result.stderr.splitlines() if line.startswith("fastpt: error: rank 0: rank 1 (pid")]
         assert len(said) == 1 and " died; a collective failed" in said[0], result.stderr[-4000:]
@@ -362,7 +362,7 @@ def restarted_ddp_run(
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         cwd=REPO,
     )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, failure_of(result)
     return result
 
 

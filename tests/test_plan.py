@@ -531,6 +531,7 @@ def test_a_deep_model_traces_a_few_blocks_not_all():
         calls.append(1)
         return forward(self, *args, **kwargs)
 
+    planner.TRACED.clear()  # an earlier test's trace of the same config would be handed on, uncounted
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model.TransformerBlock, "forward", counted)
         plan = plan_of(*SMALL, "--n-layers", "24")

@@ -12,6 +12,7 @@ import statistics
 
 import pytest
 
+from conftest import REPO, update_table
 from fastpt.cli import parse_args
 from fastpt.plan import gpus, planner, published, report
 
@@ -92,33 +93,31 @@ def test_the_plan_says_how_many_independent_runs_its_band_rests_on():
     assert report.ERROR_BAND is band
 
 
-@pytest.mark.slow  # every published configuration re-planned: 12 traces of FSDP x 8 and DDP x 8 steps, 124M-8B
-def test_the_published_runs_plan_as_committed():
-    """Each published configuration re-planned with its flags, card and GPUs gives the step committed
-    for it (within 0.5%), so the band --plan prints is this planner's, not an older one's.
+@pytest.mark.slow  # a trace of FSDP x 8 or DDP x 8 steps, 124M-8B, each
+@pytest.mark.parametrize("group", published.configurations(published.RUNS), ids=lambda group: group[0].name)
+def test_each_published_configuration_plans_as_committed(group):
+    """A published configuration re-planned with its flags, card and GPUs gives the step committed for
+    it (within 0.5%), so the band --plan prints is this planner's, not an older one's.
     FASTPT_UPDATE_PLANS=1 rewrites the committed steps instead (then the diff shows what moved)."""
-    now = {}
-    for group in published.configurations(published.RUNS):
-        cli, config_file = parse_args(group[0].argv)
-        cfg, target = planner.planned_config(cli, config_file)
-        plan = dataclasses.replace(planner.trace(cfg, target, cfg.plan_world_size), card=gpus.card(group[0].card))
-        now |= {run.name: plan.step_time().seconds * 1e3 for run in group}
+    cli, config_file = parse_args(group[0].argv)
+    cfg, target = planner.planned_config(cli, config_file)
+    plan = dataclasses.replace(planner.trace(cfg, target, cfg.plan_world_size), card=gpus.card(group[0].card))
+    planned_ms = plan.step_time().seconds * 1e3
     if os.environ.get("FASTPT_UPDATE_PLANS"):
-        table = json.loads(published.TABLE.read_text())
-        for row in table["runs"]:
-            row["planned_ms"] = round(now[row["name"]], 1)
-        published.TABLE.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n")
+        for run in group:
+            update_table(published.TABLE, run.name, planned_ms=round(planned_ms, 1))
         return
-    committed = {run.name: run.planned_ms for run in published.RUNS}
-    moved = [f"{n}: {committed[n]:,.1f} -> {ms:,.1f} ms" for n, ms in now.items() if abs(ms / committed[n] - 1) > 0.005]
+    moved = [
+        f"{r.name}: {r.planned_ms:,.1f} -> {planned_ms:,.1f} ms"
+        for r in group
+        if abs(planned_ms / r.planned_ms - 1) > 0.005
+    ]
     assert not moved, "; ".join(moved)
 
 
 def test_the_docs_table_is_the_data():
     """docs/performance.md shows published.json as published.markdown writes it: the page cannot
     drift from the band --plan prints."""
-    from conftest import REPO
-
     page = (REPO / "docs" / "performance.md").read_text()
     start = page.index("<!-- published runs: fastpt.plan.published.markdown -->\n")
     end = page.index("<!-- end of published runs -->")

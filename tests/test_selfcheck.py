@@ -21,7 +21,7 @@ import torch
 from test_kernels import _interpret, _language_restored, cuda
 
 import faults
-from conftest import REPO, assert_one_line_error, read_metrics, run_main, tiny_args
+from conftest import REPO, assert_one_line_error, failure_of, read_metrics, run_main, tiny_args
 from fastpt import selfcheck, train
 from fastpt.config import TrainConfig
 from fastpt.distributed import Dist
@@ -410,7 +410,7 @@ def test_ranks_agree_and_a_failing_rank_says_why(tiny_data, tmp_path):
     """Under torchrun (2 gloo processes, the kernels interpreted) only rank 1's RMSNorm is wrong: rank 1
     says why, and both ranks train on the reference (rank 0's summary names the fallback and the rank)."""
     result = on_two_ranks("wrong-kernel-on-rank", tiny_data, tmp_path)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, failure_of(result)
     warnings = [line for line in result.stderr.splitlines() if "fastpt: warning: " in line and "kernel" in line]
     assert (
         len(warnings) == 1 and "fastpt: warning: rank 1: kernel rms_norm failed its check on cpu in fp32" in warnings[0]
@@ -428,7 +428,7 @@ def test_a_probe_that_raises_on_one_rank_falls_back_on_every_rank(tiny_data, tmp
     the timeout)."""
     started = time.monotonic()
     result = on_two_ranks("probe-raises", tiny_data, tmp_path, FASTPT_COLLECTIVE_TIMEOUT="120")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.returncode == 0, failure_of(result)
     assert time.monotonic() - started < 120  # no rank waited out the collective timeout
     warnings = sorted(line for line in result.stderr.splitlines() if "fastpt: warning: " in line and "kernel" in line)
     assert len(warnings) == 2, warnings

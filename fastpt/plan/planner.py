@@ -277,7 +277,7 @@ def trace_model(cfg: TrainConfig, target: str, world_size: int, mcfg: ModelConfi
     two micro-steps: a third and later ones repeat the second's memory (the gradients exist, the last
     one syncs). `moments`: the plan keeps the peak of every moment of the step too (Plan.moments)."""
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: what a plan costs, whatever else the machine runs
     seq_len = cfg.seq_len or mcfg.max_seq_len
     micro_steps = step_config(cfg).grad_accum
     ddp = world_size > 1 and cfg.parallel == "ddp"  # DDP's C++ reducer cannot hold fake tensors: one process
@@ -296,7 +296,7 @@ def trace_model(cfg: TrainConfig, target: str, world_size: int, mcfg: ModelConfi
         life.nbytes = 0 if life.kind == "gradients" else life.nbytes
     peaks = moment_peaks(mem, target, micro_steps) if moments else {}
     peak = max(peaks.values(), key=lambda p: p.bytes) if peaks else peak_of(mem, target, micro_steps)
-    plan = Plan(cfg, target, world_size, seq_len, params, peak, None, time.perf_counter() - t0, mem)
+    plan = Plan(cfg, target, world_size, seq_len, params, peak, None, time.process_time() - t0, mem)
     plan.moments = peaks
     buckets = [life.shape[0] for life in mem.lives if life.kind == "DDP gradient buckets"]
     plan.kernels = kernel_log(timed, plan, buckets, flops_per_token, groups)
@@ -477,7 +477,7 @@ def describe(plan: Plan, advice: list[str] | None = None) -> list[str]:
     took = command_seconds()
     how = ", from {} and {} of its {} blocks (the rest extrapolated)".format(*plan.depths) if plan.depths else ""
     lines.append(
-        f"planned in {plan.seconds:.1f} s{how}" + (f" (the whole command so far: {took:.1f} s)" if took else "")
+        f"planned in {plan.seconds:.1f} CPU s{how}" + (f" (the whole command so far: {took:.1f} s)" if took else "")
     )
     return lines
 

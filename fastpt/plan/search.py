@@ -215,7 +215,7 @@ def search(plan: Plan) -> Found:
     estimate = Estimate(plan, plan.depths[-1] if plan.depths else planned_model(plan.cfg).n_layers)
     every = [o for o in options(plan) if o != Option(*option_of(plan))]
     rank = lambda o: (estimate.gpu_seconds_per_token(o), o.world_size, -o.micro_batch)
-    start, budget, tried, best = time.perf_counter(), BUDGET * plan.seconds, set(), None
+    start, budget, tried, best = time.process_time(), BUDGET * plan.seconds, set(), None
     while True:
         fitting = [o for o in every if o not in tried and estimate.cautious_need(o) <= limit]
         better = [o for o in fitting if best is None or rank(o) < rank(best[0])]
@@ -224,7 +224,7 @@ def search(plan: Plan) -> Found:
         option = min(better, key=rank)
         # a trace costs about the plan's (FSDP's twice): after the first, none is started that would end
         # past the budget
-        if tried and time.perf_counter() - start + plan.seconds * (1 + (option.world_size > 1)) > budget:
+        if tried and time.process_time() - start + plan.seconds * (1 + (option.world_size > 1)) > budget:
             break
         progress.task(f"what would fit: {option.flags(plan)}")
         cfg, world_size = configured(plan, option)
@@ -234,7 +234,7 @@ def search(plan: Plan) -> Found:
         tried.add(option)
         if other.fits(margin):
             best = option, other
-    planned, seconds = len(estimate.traced) - 1, time.perf_counter() - start
+    planned, seconds = len(estimate.traced) - 1, time.process_time() - start
     return Found(*(best or (None, None)), planned, len(every), seconds)
 
 
@@ -249,7 +249,7 @@ def next_steps(plan: Plan) -> list[str]:
     if plan.fits() is not False:
         return []
     margin, found = fit_margin(plan.cfg.compile), search(plan)
-    tried = f"{found.planned} of {found.estimated} combinations planned, the rest estimated, in {found.seconds:.1f} s"
+    tried = f"{found.planned} of {found.estimated} combinations planned, the rest estimated, in {found.seconds:.1f} CPU s"
     if found.option is None:
         lines = [f"  next: no combination of checkpointing, GPUs and micro-batch fits {plan.card} ({tried})"]
     else:
