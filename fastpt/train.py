@@ -198,11 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     check_runtime(cfg)
     check_out_of_data(cfg.out, cfg.data)
     fresh_note = check_out(cfg)  # before any preparing, planning or compiling
-    cfg = dataclasses.replace(cfg, run_id=this_run_id(cfg))
     capped = distributed.threads_capped(cfg.threads)
     cfg = dataclasses.replace(cfg, threads=distributed.cpu_threads(cfg.threads))
     torch.set_num_threads(cfg.threads)
     d = distributed.connect(cfg.device)  # the rank and its device; the process group comes after the plan
+    # rank 0's run id on every rank: each would make its own, and find rank 0's checkpoint another run's
+    cfg = dataclasses.replace(cfg, run_id=distributed.share(this_run_id(cfg), "run-id", d)[0])
     # Checked before --micro-batch auto plans, which plans for the kernels in effect (the reference's loss
     # materializes the logits), and before the model is built or compiled (a kernel that fails is never traced).
     backend = kernel_backend(cfg, lambda: planned_model(cfg), d.device(cfg.device), d)

@@ -2,8 +2,8 @@
 a SIGKILL during a step, after a logged step or halfway through writing a checkpoint; a file-size
 limit that makes big writes fail like a full disk, EFBIG, also for root; file permissions that hold
 for root too: as_a_user; one torchrun rank's RMSNorm kernel 10% off, or its kernel check's probe
-raising while it makes its inputs) or in this one through a
-MonkeyPatch (NaN losses at chosen steps, a disk that fills up after a step)."""
+raising while it makes its inputs, or its checkpoint save starting only once rank 0's file is there)
+or in this one through a MonkeyPatch (NaN losses at chosen steps, a disk that fills up after a step)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from fastpt import metrics, model
+from fastpt import checkpointer, metrics, model
 from fastpt.kernels import functional, selftest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +85,16 @@ def install(fault: str, at: str, argv: list[str], patch: Callable = setattr) -> 
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
         patch(selftest, "probe_inputs", raises)
+    if fault == "late-save-on-rank" and os.environ.get("RANK") == str(at):  # once rank 0 has written the step
+        real_save_step = checkpointer.save
+
+        def late(run_dir, step, *args, **kwargs):
+            written, deadline = Path(run_dir) / f"ckpt_{step:08d}.pt", time.monotonic() + 60
+            while not written.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return real_save_step(run_dir, step, *args, **kwargs)
+
+        patch(checkpointer, "save", late)
     if fault == "file-size-limit":
         import resource
 

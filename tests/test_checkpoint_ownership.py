@@ -8,13 +8,16 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from test_run_folder_states import no_wait_on_fifos
 
-from conftest import assert_one_line_error, read_metrics, run_main, run_quietly, tiny_args
+import faults
+from conftest import REPO, assert_one_line_error, failure_of, read_metrics, run_main, run_quietly, tiny_args
 from fastpt import checkpoint, checkpointer, sample, train
 
 
@@ -146,3 +149,17 @@ def test_a_fifo_named_like_the_newest_checkpoint_is_never_opened(runs, tiny_data
         assert_one_line_error(code, err, str(fifo), "a FIFO")
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert names(run_dir) == ["ckpt_00000002.pt", "ckpt_00000004.pt", "ckpt_00000006.pt", "ckpt_00000008.pt"]
+
+
+@pytest.mark.slow  # a torchrun launch of two processes
+def test_every_rank_of_a_torchrun_run_carries_rank_0s_run_id(tiny_data, tmp_path):
+    """Rank 1 checks the step's checkpoint name only once rank 0 has written it (late-save-on-rank):
+    it finds its own run's checkpoint, not another run's, and the run ends as it should."""
+    out = tmp_path / "run"
+    args = [*tiny_args(tiny_data, out, max_steps=2), "--micro-batch", "2", "--kernels", "torch"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = faults.script_args("late-save-on-rank", 1, *args, nproc=2)
+    result = subprocess.run(launch, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert result.returncode == 0 and "another run" not in result.stderr, failure_of(result)
+    run_id = tomllib.loads((out / "config.toml").read_text())["run_id"]
+    assert checkpoint.run_id_of(checkpoint.load(out / "ckpt_00000002.pt")) == run_id

@@ -249,7 +249,8 @@ def next_steps(plan: Plan) -> list[str]:
     if plan.fits() is not False:
         return []
     margin, found = fit_margin(plan.cfg.compile), search(plan)
-    tried = f"{found.planned} of {found.estimated} combinations planned, the rest estimated, in {found.seconds:.1f} CPU s"
+    planned = f"{found.planned} of {found.estimated} combinations planned"
+    tried = f"{planned}, the rest estimated, in {found.seconds:.1f} CPU s"
     if found.option is None:
         lines = [f"  next: no combination of checkpointing, GPUs and micro-batch fits {plan.card} ({tried})"]
     else:
