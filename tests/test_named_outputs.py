@@ -95,6 +95,26 @@ def test_bench_refuses_a_runs_file_before_it_measures(tmp_path, capsys):
     assert "training run" in capsys.readouterr().err and (run_dir / "metrics.jsonl").read_bytes().startswith(b'{"step')
 
 
+@pytest.mark.parametrize("flag", ["--json", "--markdown"])
+@pytest.mark.parametrize("kind", ["folder", "read-only file"])
+def test_bench_refuses_a_folder_or_a_read_only_file_in_one_line_before_it_measures(tmp_path, capsys, flag, kind):
+    from bench.__main__ import main as bench_main
+
+    out = tmp_path / "out"
+    if kind == "folder":
+        out.mkdir()
+    else:
+        out.write_text("kept")
+        out.chmod(0o444)
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["--preset", "tiny", "--device", "cpu", "--steps", "2", flag, str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and time.monotonic() - started < 5, err
+    assert flag in err and str(out) in err and "Traceback" not in err
+    assert out.is_dir() if kind == "folder" else out.read_text() == "kept"
+
+
 def test_a_fifo_that_nothing_reads_is_said_to_be_waited_on(tmp_path, capfd):
     fifo = tmp_path / "plan.json"
     os.mkfifo(fifo)
