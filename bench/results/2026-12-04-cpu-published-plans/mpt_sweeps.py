@@ -1,4 +1,4 @@
-"""What MPT's own sequence-length sweeps say about its attention (issue 44): `python mpt_sweeps.py`.
+"""What MPT's own sequence-length sweeps say about its attention: `python mpt_sweeps.py`.
 
 Source, typed in below: mosaicml/llm-foundry, scripts/train/benchmarking/README.md at commit
 b2a43a1477a45f40f4086a1c72f851b0ab42d0ac (2023-10-19, "Update_pretrain_benchmarks (#543)", the commit

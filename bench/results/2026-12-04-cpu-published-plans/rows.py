@@ -44,7 +44,7 @@ ROWS = [
 # modded-nanogpt records (KellerJordan/modded-nanogpt, records/track_1_short/*/ logs): 8 x H100, 64 x 1024,
 # compiled, dim 768, 12 layers, 6 heads, ReLU^2 MLP 3072, QK-norm, tied, vocab 50304, Muon on the blocks
 MNG = (
-    shape(768, 12, 6, 50304, 1024, 64, 1, f=3072)  # relu2's own width (issue 54; 2048 before, which meant 3/2 x)
+    shape(768, 12, 6, 50304, 1024, 64, 1, f=3072)  # relu2's own width (2048 would mean 3/2 x)
     + " --mlp relu2 --qk-norm --tie-embeddings --kernels torch --compile --optimizer muon --parallel ddp"
 )
 ROWS += [

@@ -1,4 +1,4 @@
-"""Issue 45's rule over the races beside this file: `python ablation.py` (from the repository root or
+"""The ablation's rule over the races beside this file: `python ablation.py` (from the repository root or
 here; reads {default,shakespeare}/race.json and core-{default,shakespeare}/race.json from raw.tar.xz
 beside it, the second pair adding `modern-core`, modern less both QK-norm and WSD, to the same seed
 and modern runs).
