@@ -47,10 +47,13 @@ def test_the_command_remakes_a_table_and_names_a_folder_without_one(tmp_path, ca
         assert err.startswith("fastpt: error: ") and err.count("\n") == 1 and named in err, err
 
 
-def test_ablation_script_reads_its_archive(capsys):
-    folder = RESULTS / "2026-12-05-cpu-round4-ablate3"
-    runpy.run_path(str(folder / "ablation.py"), run_name="__main__")
-    assert capsys.readouterr().out == (folder / "ablation.txt").read_text()
+@pytest.mark.parametrize(
+    "script", ["2026-12-05-cpu-round4-ablate3/ablation.py", "2026-12-07-cpu-nanochat-race/vs_nanochat.py"]
+)
+def test_a_folders_script_reads_its_archive_and_prints_what_it_stored(script, capsys):
+    path = RESULTS / script
+    runpy.run_path(str(path), run_name="__main__")
+    assert capsys.readouterr().out == path.with_suffix(".txt").read_text()
 
 
 def test_results_stay_within_300_files_and_3_mb():
