@@ -70,6 +70,16 @@ def difference(a: dict, b: dict) -> tuple[float, float | None]:
     return b["mean"] - a["mean"], se
 
 
+def differences_by_budget(base: dict, row: dict) -> list[tuple[float, float | None]]:
+    """Recipe row's mean final loss minus recipe base's at each budget (positive: row is worse), and
+    two standard errors of it (None with one seed), in the rows' budget order."""
+    out = []
+    for theirs, mine in zip(base["budgets"], row["budgets"], strict=True):
+        diff, se = difference(theirs, mine)
+        out.append((diff, None if se is None else 2 * se))
+    return out
+
+
 def beats(a: dict, b: dict) -> bool:
     """Whether budget summary a's mean final loss is below b's by more than two standard errors of
     the difference (never with fewer than two seeds on either side)."""

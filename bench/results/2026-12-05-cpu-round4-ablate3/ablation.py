@@ -5,7 +5,7 @@ and modern runs).
 
 Every recipe against `modern`, at every budget: the difference of mean final val losses (the
 recipe's minus modern's: positive is worse than modern) and two standard errors of it (bench's own
-race_stats.difference), and the verdict. A part of modern stays only if modern without it loses
+race_stats.differences_by_budget), and the verdict. A part of modern stays only if modern without it loses
 beyond 2 SE on both corpora; an option joins only if modern with it wins beyond 2 SE on both. The
 verdict is taken at the full budget (where the race's "beats" is), the smaller budgets printed
 beside it to show whether it holds as the budget shrinks.
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for bench
-from bench.race_stats import difference  # noqa: E402
+from bench.race_stats import differences_by_budget  # noqa: E402
 from bench.results_archive import members  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -45,15 +45,6 @@ def rows(corpus: str, files: dict[str, bytes]) -> tuple[dict[str, dict], dict]:
     return {row["recipe"]: row for result in results for row in result["rows"]}, results[0]
 
 
-def versus_modern(row: dict, modern: dict) -> list[tuple[float, float]]:
-    """(difference, 2 SE) per budget, smallest first: row's mean minus modern's."""
-    out = []
-    for theirs, mine in zip(modern["budgets"], row["budgets"], strict=True):
-        diff, se = difference(theirs, mine)  # mine - theirs: positive when row is worse
-        out.append((diff, 2 * se))
-    return out
-
-
 def cell(d: float, two_se: float) -> str:
     return f"{d:+.3f} ± {two_se:.3f}"
 
@@ -71,7 +62,7 @@ def main() -> None:
         cells, worse, better = [], [], []
         for c in CORPORA:
             by_name, _ = races[c]
-            diffs = versus_modern(by_name[name], by_name["modern"])
+            diffs = differences_by_budget(by_name["modern"], by_name[name])
             cells.append(" / ".join(cell(d, s) for d, s in diffs))
             d, s = diffs[-1]
             worse.append(d > s)

@@ -2,7 +2,7 @@
 `python vs_nanochat.py` (from the repository root or here; reads race.json from raw.tar.xz beside it).
 
 Per corpus and budget: the recipe's mean final val loss minus nanochat's (negative: lower than
-nanochat) and two standard errors of it (bench's race_stats.difference), "beats" beyond 2 SE; then
+nanochat) and two standard errors of it (bench's race_stats.differences_by_budget), "beats" beyond 2 SE; then
 the tokens and the training time each recipe needs to reach nanochat's mean final loss at the full
 budget (race_stats.tokens_to_target: linear in log tokens between budgets, at the race's tok/s), as a
 fraction of nanochat's own.
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root, for bench
-from bench.race_stats import below_range, difference, tokens_to_target  # noqa: E402
+from bench.race_stats import below_range, differences_by_budget, tokens_to_target  # noqa: E402
 from bench.results_archive import members  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -22,11 +22,9 @@ BAR = "nanochat"
 
 def versus_bar(row: dict, bar: dict) -> list[str]:
     """'diff ± 2 SE' per budget, smallest first, with 'beats' where row is lower beyond 2 SE."""
-    cells = []
-    for theirs, mine in zip(bar["budgets"], row["budgets"], strict=True):
-        diff, se = difference(theirs, mine)  # mine - theirs: negative when row is lower
-        cells.append(f"{diff:+.3f} ± {2 * se:.3f}" + (" beats" if -diff > 2 * se else ""))
-    return cells
+    return [
+        f"{d:+.3f} ± {two_se:.3f}" + (" beats" if -d > two_se else "") for d, two_se in differences_by_budget(bar, row)
+    ]
 
 
 def to_bar(row: dict, bar: dict, target: float) -> str:
