@@ -111,8 +111,10 @@ def test_a_buffer_at_a_freed_ones_address_waits_for_nothing():
         x = torch.randn(8, 8)
         products = [x @ x for _ in range(100)]
         freed = {p.untyped_storage()._cdata for p in products}
-        del products
-        buffers = [torch.empty(8, 8) for _ in range(100)]
+        buffers = []
+        while products:  # each buffer made as a product is freed: the free lists hand its address on
+            products.pop()
+            buffers.append(torch.empty(8, 8))
         for buffer in buffers:
             buffer.add_(1)  # stands for an all-reduce into it
     assert sum(b.untyped_storage()._cdata in freed for b in buffers) >= 10  # addresses were reused
