@@ -561,6 +561,19 @@ def wsd_decay_steps(cfg: TrainConfig) -> int:
     return cfg.max_steps - max(cfg.warmup_steps, cfg.max_steps - round(cfg.decay_fraction * cfg.max_steps))
 
 
+def uses_cuda_graphs(cfg: TrainConfig) -> bool:
+    """Whether the run's compiled model records CUDA graphs (then each forward marks its step)."""
+    return cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
+
+
+def begin_cuda_graph_step(cfg: TrainConfig) -> None:
+    """torch.compiler.cudagraph_mark_step_begin where the run records CUDA graphs (they may reuse their
+    buffers from one step to the next); nowhere else, since the call imports Inductor's compiler
+    (some 1.8 CPU s of a short CPU run)."""
+    if uses_cuda_graphs(cfg):
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
     """The steps START:END (1-based, both included) that --profile records; None when off."""
     if not cfg.profile:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from fastpt import distributed
-from fastpt.config import TrainConfig
+from fastpt.config import TrainConfig, begin_cuda_graph_step, uses_cuda_graphs
 from fastpt.data.dataset import Source, WindowSet, source_names
 from fastpt.data.loader import eval_batches
 from fastpt.data.tokenizer import load_tokenizer
@@ -46,7 +46,7 @@ def evaluate(
     parts = len(sources or [None])
     sums = torch.zeros(parts, 4, dtype=torch.float64, device=device)  # per source: nats, targets, bpb nats, bytes
     for batch in eval_batches(windows, cfg.micro_batch, cfg.eval_tokens, device, d.rank, d.world_size):
-        torch.compiler.cudagraph_mark_step_begin()  # each forward a CUDA-graph step of its own; else a no-op
+        begin_cuda_graph_step(cfg)  # each forward a CUDA-graph step of its own
         with autocast:
             nats = model(batch.x, labels=batch.y, reduction="none").cross_entropy  # (B*T,), without the z-loss term
         nats = nats.view(batch.y.shape).double()  # (B, T), 0 where the target is -100
@@ -76,7 +76,9 @@ class Evaluator:
         self.mc = None
         if cfg.eval_mc:
             tasks = read_tasks(cfg.eval_mc)
-            self.mc = MultipleChoice(tasks, data_dir, windows.seq_len, cfg.micro_batch, cfg.eval_mc_norm)
+            self.mc = MultipleChoice(
+                tasks, data_dir, windows.seq_len, cfg.micro_batch, cfg.eval_mc_norm, uses_cuda_graphs(cfg)
+            )
 
     def run(self, model: nn.Module, autocast: torch.autocast, d: distributed.Dist) -> dict:
         record = evaluate(model, self.windows, self.cfg, self.device, autocast, d, self.token_bytes, self.sources)

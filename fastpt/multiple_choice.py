@@ -136,9 +136,12 @@ class MultipleChoice:
     """mc_acc: per task, the share of rows whose best-scored ending is the label, and their mean.
     Rows are striped over ranks; every rank runs the same number of forwards of one shape
     (micro_batch x the longest row of any task), so a compiled model compiles one graph for every
-    task, once, and FSDP's collectives stay in step."""
+    task, once, and FSDP's collectives stay in step. cuda_graphs: the model records CUDA graphs
+    (config.uses_cuda_graphs), so each forward marks a step of its own."""
 
-    def __init__(self, tasks: list[Task], data_dir: Path, seq_len: int, micro_batch: int, norm: str):
+    def __init__(
+        self, tasks: list[Task], data_dir: Path, seq_len: int, micro_batch: int, norm: str, cuda_graphs: bool = False
+    ):
         tokenizer_path = Path(data_dir) / "tokenizer.json"
         if not tokenizer_path.is_file():
             raise DataError(f"'eval_mc' needs the data's tokenizer.json to read {tasks[0].path}: {data_dir} has none")
@@ -149,7 +152,7 @@ class MultipleChoice:
         self.labels = [[row.label for row in t.rows] for t in tasks]
         longest = max(len(c.tokens) for rows in self.tasks for choices in rows for c in choices)
         self.length = min(seq_len, longest - 1)
-        self.micro_batch = micro_batch
+        self.micro_batch, self.cuda_graphs = micro_batch, cuda_graphs
 
     @staticmethod
     def _choices(tok, path: Path, row: Row, prefix: list[int], seq_len: int, norm: str) -> list[Choice]:
@@ -186,7 +189,8 @@ class MultipleChoice:
         nats = []
         for i in range(0, forwards * self.micro_batch, self.micro_batch):
             x, y = self._batch(choices[i : i + self.micro_batch], device)  # (B, T) each
-            torch.compiler.cudagraph_mark_step_begin()
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast:
                 per_target = model(x, labels=y, reduction="none").cross_entropy  # (B*T,), 0 off the endings
             nats.extend(per_target.view(y.shape).double().sum(1).tolist()[: max(0, len(choices) - i)])

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile, record_function
 
-from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, profile_steps
+from fastpt.config import TrainConfig, profile_steps, uses_cuda_graphs
 
 
 def compiled_graphs() -> int:
@@ -40,7 +40,7 @@ class StepProbe:
 
     def __init__(self, cfg: TrainConfig, device: torch.device, rank: int = 0):
         self.steps, self.out_dir, self.device, self.rank = profile_steps(cfg), Path(cfg.out) / "profile", device, rank
-        self.cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES  # asked for CUDA graphs
+        self.cuda_graphs = uses_cuda_graphs(cfg)
         self.warm = False  # past this process's first step, which compiles
         self.window_recompiles = 0
         self.profiler: profile | None = None

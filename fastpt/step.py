@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from fastpt import distributed, float8
-from fastpt.config import CUDA_GRAPH_MODES, DTYPES, ModelConfig, TrainConfig
+from fastpt.config import DTYPES, ModelConfig, TrainConfig, begin_cuda_graph_step
 from fastpt.data.loader import TrainLoader
 from fastpt.model import Transformer
 from fastpt.nanochat_parts import nanochat_init
@@ -99,8 +99,7 @@ def train_step(
         distributed.set_grad_sync(
             model, micro_step == accum - 1 or (cfg.fsdp_reshard_grads and d.enabled and cfg.parallel == "fsdp")
         )
-        if cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES:  # (the call imports Inductor: ~3 s)
-            torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse their buffers
+        begin_cuda_graph_step(cfg)
         with net.autocast:
             out = model(batch.x, labels=batch.y)  # loss: (), the fused loss never builds the logits
         scaler.scale(out.loss / accum).backward()

@@ -6,8 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pickle
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -124,6 +127,25 @@ def test_mc_eval_picks_the_real_continuations_of_learned_text(tmp_path, capsys):
     assert code == 0, err
     last = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r][-1]
     assert last["step"] == 151 and last["mc_acc"] == 0.0 and not any(k.startswith("mc_acc/") for k in last)
+
+
+def test_an_eager_runs_evaluation_imports_no_inductor_compiler(tiny_data, tmp_path):
+    """Marking a CUDA-graph step imports Inductor's compiler (some 1.8 CPU s of a short run): an eager
+    run evaluates (the validation loss and --eval-mc) without it, as it trains without it."""
+    args = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max-steps", "2"]
+    args += ["--eval-every", "2", "--eval-mc", write_mc(tmp_path / "mc.jsonl", mc_rows()[:2])]
+    code = (
+        "import sys\n"
+        "from fastpt import train\n"
+        f"assert train.main({args!r}) == 0\n"
+        "print([m for m in ('torch._inductor.compile_fx', 'torch._inductor.cudagraph_trees') if m in sys.modules])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert result.returncode == 0, result.stderr
+    assert "mc_acc" in (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def metaspace_data(folder: Path) -> Path:

@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fastpt import distributed, muon
 from fastpt.checkpoint import resumed_model
-from fastpt.config import CUDA_GRAPH_MODES, TrainConfig, check_runtime, resolve
+from fastpt.config import TrainConfig, check_runtime, resolve, uses_cuda_graphs
 from fastpt.data.dataset import common_vocab, data_sources, default_vocab, doc_token
 from fastpt.data.loader import Batch
 from fastpt.hf import from_hf_config, is_hf_dir, not_hf_dir, read_json
@@ -287,8 +287,7 @@ def trace_model(cfg: TrainConfig, target: str, world_size: int, mcfg: ModelConfi
             mem.lives += ddp_buckets(net.raw, mem.round_to)
         loader = FakeLoader(cfg.micro_batch, seq_len, mcfg.vocab_size)
         step = lambda: train_step(net, loader, step_config(cfg), d)
-        cuda_graphs = cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES
-        with timing.KernelTrace(mem, cuda_graphs, muon.ns_dtype(torch.device(target))) as timed:
+        with timing.KernelTrace(mem, uses_cuda_graphs(cfg), muon.ns_dtype(torch.device(target))) as timed:
             trace_steps(mem, step, net.raw, net.optimizers, target)
         params, flops_per_token = net.raw.num_params(), net.raw.cfg.flops_per_token(seq_len)
         groups = muon_groups(net.optimizers, muon.ns_dtype(torch.device(target))) if ddp else []
