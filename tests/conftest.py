@@ -177,6 +177,17 @@ def assert_one_line_error(code: int, err: str, *named: str, expected_code: int =
     assert all(n in errors[0] for n in named), errors[0]
 
 
+def inductor_compiler_imported(code: str) -> list[str]:
+    """Which of Inductor's compiler modules a fresh Python process has imported after running `code`
+    (one thread, from the repository root): an eager run or plan should import none of them."""
+    modules = ("torch._inductor.compile_fx", "torch._inductor.cudagraph_trees")
+    probe = f"{code}\nimport json, sys\nprint(json.dumps([m for m in {modules!r} if m in sys.modules]))\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def run_main(main, args: list[str], capsys) -> tuple[int, str, str]:
     """A command's main in this process, as its `python -m` entry runs it: (exit code, stdout, stderr)."""
     from fastpt.errors import run_command

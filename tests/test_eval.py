@@ -6,11 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pickle
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY, assert_one_line_error, run_main, run_train
+from conftest import TINY, assert_one_line_error, inductor_compiler_imported, run_main, run_train
 from fastpt import distributed, train
 from fastpt.config import PRESETS, TrainConfig, resolve
 from fastpt.data.dataset import Windows, find_shards
@@ -129,23 +126,14 @@ def test_mc_eval_picks_the_real_continuations_of_learned_text(tmp_path, capsys):
     assert last["step"] == 151 and last["mc_acc"] == 0.0 and not any(k.startswith("mc_acc/") for k in last)
 
 
+@pytest.mark.slow  # a training process of its own
 def test_an_eager_runs_evaluation_imports_no_inductor_compiler(tiny_data, tmp_path):
     """Marking a CUDA-graph step imports Inductor's compiler (some 1.8 CPU s of a short run): an eager
     run evaluates (the validation loss and --eval-mc) without it, as it trains without it."""
     args = [*TINY, "--data", str(tiny_data), "--out", str(tmp_path / "run"), "--max-steps", "2"]
     args += ["--eval-every", "2", "--eval-mc", write_mc(tmp_path / "mc.jsonl", mc_rows()[:2])]
-    code = (
-        "import sys\n"
-        "from fastpt import train\n"
-        f"assert train.main({args!r}) == 0\n"
-        "print([m for m in ('torch._inductor.compile_fx', 'torch._inductor.cudagraph_trees') if m in sys.modules])\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert result.returncode == 0, result.stderr
+    assert inductor_compiler_imported(f"from fastpt import train\nassert train.main({args!r}) == 0") == []
     assert "mc_acc" in (tmp_path / "run" / "metrics.jsonl").read_text()
-    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def metaspace_data(folder: Path) -> Path:
