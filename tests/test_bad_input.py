@@ -226,6 +226,9 @@ def test_unusable_run_folder(tiny_data, tmp_path, capsys):
         base_args(tiny_data, tmp_path / "file" / "run"),
         f"'out' = '{tmp_path / 'file' / 'run'}': cannot write the run folder (Not a directory)",
     )
+    (tmp_path / "notes").write_text("mine")
+    train_refuses(capsys, base_args(tiny_data, tmp_path / "notes"), f"'out' = '{tmp_path / 'notes'}' is a file")
+    assert (tmp_path / "notes").read_text() == "mine"
     (tmp_path / "ckpt_00000004.pt").write_bytes(b"not a checkpoint")
     train_refuses(
         capsys,
