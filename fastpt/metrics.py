@@ -260,9 +260,6 @@ class MetricsLogger:
 
 
 def unwritable(cfg: TrainConfig, e: OSError) -> ConfigError:
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        return ConfigError(f"'out' = {cfg.out!r} is a file, not a folder: give the run its own --out")
     return ConfigError(f"'out' = {cfg.out!r}: cannot write the run folder ({e.strerror or e})")
 
 

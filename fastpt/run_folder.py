@@ -82,6 +82,8 @@ def check_out(cfg: TrainConfig) -> str:
 
 
 def _check_out(cfg: TrainConfig, run_dir: Path) -> str:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"'out' = {cfg.out!r} is a file, not a folder: give the run its own --out")
     check_unlocked(run_dir / ".lock", "trainer")  # metrics.own_run_folder takes it after this
     if runs := held_runs(run_dir):
         listed = ", ".join(runs[:3]) + (", ..." if len(runs) > 3 else "")
